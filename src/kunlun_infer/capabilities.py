@@ -1,0 +1,300 @@
+"""The five capability interfaces a plugin implements: device, memory, ops, comm, streams.
+
+The framework talks to hardware only through these classes. A plugin returns
+instances of subclasses from the factories it registers in ``hookspecs.py``;
+the runtime composes one of each into a :class:`kunlun_infer.runtime.Runtime`.
+Tensors are ``torch.Tensor`` objects on ``Device.torch_device``: torch is the
+common currency between the framework and every chip's stack.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+# --------------------------------------------------------------------------- device
+
+
+class Device(abc.ABC):
+    """One accelerator (or host) as the framework sees it.
+
+    ``open``/``close`` are reference counted and thread-safe: every ``open``
+    needs a matching ``close``; the last ``close`` releases the context. A
+    device may be opened again after it was fully closed.
+    """
+
+    #: registered option name of the plugin that made this device (``cpu``, ``simchip`` …)
+    name: str = "device"
+
+    @property
+    @abc.abstractmethod
+    def torch_device(self) -> torch.device:
+        """The ``torch.device`` on which tensors for this device live."""
+
+    @abc.abstractmethod
+    def open(self) -> None:
+        """Acquire the device context (idempotent per call pair, thread-safe)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release one ``open``; the last release frees the context."""
+
+    @property
+    @abc.abstractmethod
+    def is_open(self) -> bool:
+        """True while at least one ``open`` is outstanding."""
+
+    @abc.abstractmethod
+    def identity(self) -> dict[str, Any]:
+        """Facts that identify the device: ``name``, ``vendor``, ``index``, ``model`` …"""
+
+    @abc.abstractmethod
+    def supported_dtypes(self) -> frozenset[torch.dtype]:
+        """Floating dtypes this device computes in natively."""
+
+    @abc.abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)`` of device memory available to this process."""
+
+    def stack_versions(self) -> dict[str, str]:
+        """Versions of the software stack beneath (driver, runtime, torch …)."""
+        return {"torch": torch.__version__}
+
+    def synchronize(self) -> None:
+        """Wait for all work queued on this device to finish."""
+
+    def __enter__(self) -> Device:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+    """Allocator statistics, all in bytes except ``fragmentation`` (0..1).
+
+    ``allocated``: bytes in live allocations (as requested, after rounding to
+    the granularity); ``reserved``: bytes held from the device, live or cached;
+    ``peak``: the high-water mark of ``allocated``; ``fragmentation``: share of
+    ``reserved`` that is cached but not live (``1 - allocated/reserved``).
+    """
+
+    allocated: int
+    reserved: int
+    peak: int
+    fragmentation: float
+    num_allocs: int = 0
+    num_cache_hits: int = 0
+
+
+class MemoryAllocator(abc.ABC):
+    """Hands out device tensors honouring the device's alignment and granularity."""
+
+    name: str = "memory"
+    #: every allocation's start address is a multiple of this many bytes
+    alignment: int = 64
+    #: every allocation's size is rounded up to a multiple of this many bytes
+    granularity: int = 512
+
+    @abc.abstractmethod
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Return an uninitialised tensor of ``shape``/``dtype`` on the device.
+
+        Raises :class:`kunlun_infer.errors.DeviceOutOfMemoryError` with the
+        requested and free byte counts when the device cannot satisfy it.
+        """
+
+    @abc.abstractmethod
+    def free(self, tensor: torch.Tensor) -> None:
+        """Return a tensor obtained from ``allocate``; using it afterwards is undefined."""
+
+    @abc.abstractmethod
+    def stats(self) -> MemoryStats:
+        """Current statistics."""
+
+    def empty_cache(self) -> None:
+        """Give cached, unused blocks back to the device."""
+
+    def reset_peak(self) -> None:
+        """Restart the ``peak`` high-water mark from the current ``allocated``."""
+
+    def round_size(self, nbytes: int) -> int:
+        """Bytes actually reserved for a request of ``nbytes``."""
+        g = self.granularity
+        return max(g, (nbytes + g - 1) // g * g)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+class OpsProvider(abc.ABC):
+    """A table of named kernels for one device type.
+
+    Op names and signatures are fixed by :mod:`kunlun_infer.ops` (each has a
+    plain-torch reference there). A provider may implement any subset; the
+    runtime falls back to the reference for the rest unless ``ops.strict``.
+    """
+
+    name: str = "ops"
+
+    @abc.abstractmethod
+    def supports(self, op: str) -> bool:
+        """True when this provider implements ``op`` for its device."""
+
+    @abc.abstractmethod
+    def get(self, op: str) -> Callable[..., Any]:
+        """The kernel for ``op``; only called when ``supports(op)`` is true."""
+
+    def available(self) -> list[str]:
+        """Names of every op this provider implements."""
+        from kunlun_infer.ops import OP_SPECS
+
+        return [op for op in OP_SPECS if self.supports(op)]
+
+
+class DictOpsProvider(OpsProvider):
+    """An ops provider backed by a ``{name: kernel}`` mapping."""
+
+    def __init__(self, kernels: Mapping[str, Callable[..., Any]], name: str = "ops") -> None:
+        self._kernels = dict(kernels)
+        self.name = name
+
+    def supports(self, op: str) -> bool:
+        return op in self._kernels
+
+    def get(self, op: str) -> Callable[..., Any]:
+        return self._kernels[op]
+
+
+# --------------------------------------------------------------------------- comm
+
+
+class Comm(abc.ABC):
+    """Collectives among the ranks of one tensor-parallel group.
+
+    ``init`` must be called once before any collective. Collectives are
+    blocking from the caller's point of view unless the streams plugin runs
+    them on a comm stream (see :class:`Streams`).
+    """
+
+    name: str = "comm"
+    rank: int = 0
+    world_size: int = 1
+
+    @abc.abstractmethod
+    def init(self, *, rank: int, world_size: int, init_method: str | None = None,
+             timeout_s: float = 300.0) -> None:
+        """Join the group as ``rank`` of ``world_size``.
+
+        ``init_method`` is a ``torch.distributed`` init URL (``tcp://…``,
+        ``env://``); ``None`` means ``env://``. Must match the process layout.
+        """
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, accumulate_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Sum ``tensor`` across ranks; returns the sum (may be ``tensor`` itself, updated in place).
+
+        When ``accumulate_dtype`` is wider than ``tensor.dtype`` the reduction
+        is carried out in ``accumulate_dtype`` and cast back.
+        """
+
+    @abc.abstractmethod
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim`` in rank order."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy ``src``'s tensor into every rank's ``tensor`` (in place)."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable control-plane object from ``src``; returns it on every rank."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank arrives."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Leave the group and release its resources."""
+
+    def buffer_bytes(self) -> int:
+        """Device memory this comm plugin keeps for its buffers (for the memory plan)."""
+        return 0
+
+
+# --------------------------------------------------------------------------- streams
+
+
+class Event(abc.ABC):
+    """A marker in a stream's queue of work."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True when all work recorded before this event has finished."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the event completes."""
+
+
+class Stream(abc.ABC):
+    """An ordered queue of device work.
+
+    ``submit(fn, *args)`` enqueues ``fn(*args)``; functions on one stream run
+    in submission order. Work on different streams may overlap; ordering
+    between streams is expressed with events (``record_event``/``wait_event``).
+    """
+
+    @abc.abstractmethod
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Enqueue ``fn(*args)``; returns without waiting (it may run immediately)."""
+
+    @abc.abstractmethod
+    def record_event(self) -> Event:
+        """An event that completes when everything submitted so far has run."""
+
+    @abc.abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream starts only after ``event`` completes."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until everything submitted has run; re-raises the first error."""
+
+
+class Streams(abc.ABC):
+    """Provides the compute stream and, where the device has one, a separate comm stream."""
+
+    name: str = "streams"
+
+    @abc.abstractmethod
+    def compute_stream(self) -> Stream:
+        """The stream on which model computation runs."""
+
+    @abc.abstractmethod
+    def comm_stream(self) -> Stream:
+        """The stream for collectives; may be the compute stream itself."""
+
+    @property
+    def overlaps(self) -> bool:
+        """True when the comm stream is distinct and can overlap compute."""
+        return self.comm_stream() is not self.compute_stream()
+
+    def synchronize(self) -> None:
+        """Wait for every stream of this provider."""
+        self.compute_stream().synchronize()
+        if self.overlaps:
+            self.comm_stream().synchronize()
+
+    def close(self) -> None:
+        """Stop any worker threads; the provider is unusable afterwards."""

@@ -1,0 +1,136 @@
+"""Structured-config schemas: the type-checked shape of every Hydra group.
+
+Each group of the config tree (``conf/``) is validated against one dataclass
+here. Options contributed by plugins subclass the capability schemas
+(``DeviceConfig`` …) to add keys of their own (``device.capacity``). Configs
+never carry ``_target_``: implementations are found by registered name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclasses.dataclass
+class DeviceConfig:
+    """``device`` group: which device plugin, and which physical device."""
+
+    name: str = MISSING
+    #: physical device index; ``None`` = the process's local rank
+    index: Optional[int] = None
+
+
+@dataclasses.dataclass
+class MemoryConfig:
+    """``memory`` group: the allocator."""
+
+    name: str = MISSING
+
+
+@dataclasses.dataclass
+class OpsConfig:
+    """``ops`` group: the op table; ``strict`` refuses to fall back to references."""
+
+    name: str = MISSING
+    strict: bool = False
+
+
+@dataclasses.dataclass
+class CommConfig:
+    """``comm`` group: collectives. ``accumulate_dtype`` is used for bf16/fp16 all-reduce."""
+
+    name: str = MISSING
+    accumulate_dtype: str = "float32"
+    #: seconds a collective or a worker may take before the engine gives up
+    timeout_s: float = 120.0
+
+
+@dataclasses.dataclass
+class StreamsConfig:
+    """``streams`` group: compute/comm stream provider."""
+
+    name: str = MISSING
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """``model`` group. ``path=None`` means the embedded default model."""
+
+    path: Optional[str] = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    #: ``None`` = the model's ``max_position_embeddings``
+    max_model_len: Optional[int] = None
+    #: tokenizer folder; ``None`` = ``path``
+    tokenizer: Optional[str] = None
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class CacheConfig:
+    """``cache`` group: the paged KV cache."""
+
+    block_size: int = 16
+    #: explicit number of KV blocks; ``None`` = sized from memory
+    num_blocks: Optional[int] = None
+    #: share of device memory the engine may use (weights + activations + KV)
+    memory_fraction: float = 0.9
+    prefix_caching: bool = True
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """``scheduler`` group: continuous batching limits."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    #: chunk long prompts into pieces under ``max_num_batched_tokens``
+    chunked_prefill: bool = True
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """``parallel`` group: tensor parallelism."""
+
+    tensor_size: int = 1
+    #: ``tcp://host:port`` for rendezvous of engine-spawned workers; ``None`` = pick a free port
+    init_method: Optional[str] = None
+    #: seconds to wait for a worker before declaring it dead
+    worker_timeout_s: float = 60.0
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """``server`` group: the OpenAI-compatible HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 256
+    model_name: Optional[str] = None
+
+
+@dataclasses.dataclass
+class KunlunConfig:
+    """The whole composed config (root schema)."""
+
+    device: DeviceConfig = dataclasses.field(default_factory=DeviceConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    ops: OpsConfig = dataclasses.field(default_factory=OpsConfig)
+    comm: CommConfig = dataclasses.field(default_factory=CommConfig)
+    streams: StreamsConfig = dataclasses.field(default_factory=StreamsConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+
+
+#: the schema of each group, for plugin options to subclass
+GROUP_SCHEMAS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(KunlunConfig)}  # type: ignore[misc]
+
+
+def group_schema(group: str) -> Any:
+    """The schema dataclass of ``group`` (``KeyError`` for an unknown group)."""
+    return GROUP_SCHEMAS[group]

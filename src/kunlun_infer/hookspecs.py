@@ -1,0 +1,282 @@
+"""The plugin contract: every hook a kunlun_infer plugin can implement.
+
+A chip vendor should be able to write a plugin from this file alone.
+
+How plugins are found
+    A plugin is a module (or object) exposing functions decorated with
+    :data:`hookimpl`. Installed distributions advertise it through the
+    entry-point group ``kunlun_infer`` (``[project.entry-points.kunlun_infer]
+    myname = "my_pkg.plugin"``); the built-in CPU plugins are registered by the
+    framework itself. The env vars ``KUNLUN_INFER_PLUGINS`` (allow-list) and
+    ``KUNLUN_INFER_DISABLE_PLUGINS`` (block-list), comma-separated entry-point
+    names, filter what is loaded.
+
+How capabilities are chosen
+    A plugin *registers factories by name* for any of the five capabilities
+    (device, memory, ops, comm, streams). The Hydra group of the same name picks
+    one by its registered name (``device=cpu memory=caching``). Two plugins
+    registering the same name for the same capability is a load error, so no
+    result depends on import order. Plugins can add their options to the Hydra
+    groups through :func:`kunlun_infer_config_options`.
+
+Versioning
+    The contract carries :data:`HOOK_API_VERSION` (``MAJOR.MINOR``). Every
+    plugin declares in :func:`kunlun_infer_plugin_info` the range of API
+    versions it supports (``">=1.0,<2"``); a plugin whose range excludes this
+    framework's version is refused at load, naming plugin, distribution
+    version, offered and required versions. Minor versions only add hooks or
+    optional arguments (pluggy passes a hook only the arguments it names), so a
+    plugin written for 1.0 keeps working on 1.x.
+
+Threading and streams, for every factory-made object
+    Capability objects are created and used by one engine; the engine calls
+    them from its own thread (the step loop). ``Device.open``/``close`` must be
+    thread-safe. Kernels returned by an ops provider are called on the
+    compute stream of the streams plugin; collectives may be called from the
+    comm stream's worker. A kernel must not synchronize the device unless it
+    returns host data.
+
+Errors
+    Anything a hook or a capability method raises is re-raised by the
+    framework as :class:`kunlun_infer.errors.PluginError` naming the plugin,
+    the hook and the layer, the original exception chained.
+
+Changes
+    1.0 — first version of the contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kunlun_infer.capabilities import Comm, Device, MemoryAllocator, OpsProvider, Streams
+
+#: pluggy project name and entry-point group
+PROJECT_NAME = "kunlun_infer"
+#: version of this contract, ``(major, minor)``
+HOOK_API_VERSION: tuple[int, int] = (1, 0)
+HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: the five capabilities, in the order the runtime composes them
+CAPABILITIES: tuple[str, ...] = ("device", "memory", "ops", "comm", "streams")
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginInfo:
+    """What a plugin says about itself.
+
+    ``name``: short unique name (shown by ``kunlun-infer plugins``).
+    ``version``: the plugin's own version (usually its distribution's).
+    ``api``: the hook-API versions supported, as comma-separated comparisons
+    (``">=1.0,<2"``). ``capabilities``: which of :data:`CAPABILITIES` it
+    provides. ``stack``: versions of the software beneath it (driver,
+    runtime, collective library …), for the version matrix.
+    """
+
+    name: str
+    version: str
+    api: str = ">=1.0,<2"
+    capabilities: tuple[str, ...] = ()
+    stack: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    description: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigOption:
+    """One option a plugin adds to a Hydra group.
+
+    ``group``: a config group (``device``, ``memory``, ``ops``, ``comm``,
+    ``streams`` or any other of the config tree). ``name``: the option's name
+    (``device=<name>``). ``node``: a dataclass *instance or class* that
+    subclasses the group's schema from :mod:`kunlun_infer.config` (e.g.
+    ``DeviceConfig``) so its keys are type-checked; its ``name`` field must
+    equal the capability factory's registered name.
+    """
+
+    group: str
+    name: str
+    node: Any
+
+
+#: ``factory(*, config) -> Device`` — ``config`` is the composed ``device`` node;
+#: ``local_rank`` (int) is passed too when the factory accepts it.
+DeviceFactory = Callable[..., "Device"]
+#: ``factory(*, config, device) -> MemoryAllocator``
+MemoryFactory = Callable[..., "MemoryAllocator"]
+#: ``factory(*, config, device) -> OpsProvider``
+OpsFactory = Callable[..., "OpsProvider"]
+#: ``factory(*, config, device) -> Comm``
+CommFactory = Callable[..., "Comm"]
+#: ``factory(*, config, device) -> Streams``
+StreamsFactory = Callable[..., "Streams"]
+
+
+# ============================================================== identity
+
+
+@hookspec
+def kunlun_infer_plugin_info() -> PluginInfo:
+    """Describe this plugin: name, version, supported hook-API range, capabilities, stack versions.
+
+    Required of every plugin. Called once at load, before any other hook;
+    a plugin whose ``api`` range excludes :data:`HOOK_API_VERSION` is refused
+    and none of its other hooks is called.
+
+    :return: a :class:`PluginInfo`. Each plugin's own result is kept
+        (not first-result-wins).
+
+    Added in 1.0.
+    """
+
+
+# ============================================================== capabilities
+
+
+@hookspec
+def kunlun_infer_device_factories() -> Mapping[str, DeviceFactory]:
+    """Register device factories by name.
+
+    :return: ``{name: factory}``. ``factory(config=..., local_rank=...)``
+        returns a :class:`kunlun_infer.capabilities.Device`, not yet opened;
+        ``config`` is the composed ``device`` config node (an OmegaConf
+        DictConfig with at least ``name``), ``local_rank`` the index of the
+        process on its host (pick the matching physical device). The factory
+        must be cheap and must not touch hardware before ``Device.open``.
+
+    Called once per plugin at load; names must be unique across plugins.
+    Added in 1.0.
+    """
+
+
+@hookspec
+def kunlun_infer_memory_factories() -> Mapping[str, MemoryFactory]:
+    """Register memory allocator factories by name.
+
+    :return: ``{name: factory}``. ``factory(config=..., device=...)`` returns a
+        :class:`kunlun_infer.capabilities.MemoryAllocator` for the *opened*
+        ``device``. Allocations honour the allocator's ``alignment`` and
+        ``granularity``; exhaustion raises
+        :class:`kunlun_infer.errors.DeviceOutOfMemoryError` with the numbers.
+        The allocator is used from the engine's thread only.
+
+    Added in 1.0.
+    """
+
+
+@hookspec
+def kunlun_infer_ops_factories() -> Mapping[str, OpsFactory]:
+    """Register op-table factories by name.
+
+    :return: ``{name: factory}``. ``factory(config=..., device=...)`` returns a
+        :class:`kunlun_infer.capabilities.OpsProvider` whose kernels follow the
+        signatures and semantics of :mod:`kunlun_infer.ops` (each op there has
+        a plain-torch reference, the definition of its meaning). A provider may
+        cover any subset; ``supports(op)`` must answer truthfully, since the
+        runtime resolves every op before the first step and falls back to the
+        reference for gaps (or refuses under ``ops.strict``). A provider that
+        implements ``pack_linear_weight`` must also implement ``linear``; its
+        ``linear`` receives only weights its own ``pack_linear_weight`` made.
+        Kernels run on the compute stream.
+
+    Added in 1.0.
+    """
+
+
+@hookspec
+def kunlun_infer_comm_factories() -> Mapping[str, CommFactory]:
+    """Register collective-communication factories by name.
+
+    :return: ``{name: factory}``. ``factory(config=..., device=...)`` returns a
+        :class:`kunlun_infer.capabilities.Comm`; the engine then calls
+        ``init(rank=, world_size=, init_method=, timeout_s=)`` matching the
+        process layout. ``all_reduce`` honours ``accumulate_dtype``
+        (``comm.accumulate_dtype``, float32 by default for bf16/fp16).
+        Collectives may be issued from the comm stream's worker.
+
+    Added in 1.0.
+    """
+
+
+@hookspec
+def kunlun_infer_streams_factories() -> Mapping[str, StreamsFactory]:
+    """Register stream-provider factories by name.
+
+    :return: ``{name: factory}``. ``factory(config=..., device=...)`` returns a
+        :class:`kunlun_infer.capabilities.Streams`. Work submitted to one
+        stream runs in order; events order work across streams;
+        ``synchronize`` waits for completion and re-raises the first error of
+        queued work. ``close`` stops any threads it started.
+
+    Added in 1.0.
+    """
+
+
+# ============================================================== configuration
+
+
+@hookspec
+def kunlun_infer_config_options() -> Iterable[ConfigOption]:
+    """Add options to the Hydra config groups, so ``device=<yours>`` composes after ``pip install``.
+
+    :return: an iterable of :class:`ConfigOption`. They are stored in Hydra's
+        config store before composition; each node subclasses the group's
+        schema, so unknown keys and wrongly typed values are refused at
+        composition, naming the key.
+
+    Called once per plugin at load. Added in 1.0.
+    """
+
+
+# ============================================================== observability
+
+
+@hookspec
+def kunlun_infer_engine_start(info: Mapping[str, Any]) -> None:
+    """The engine finished start-up and is ready to serve.
+
+    :param info: facts about the run: ``model`` (path), ``dtype``,
+        ``kv_blocks_total``, ``block_size``, ``plugins`` (capability → plugin
+        name), ``tensor_size``.
+
+    Called in the engine's thread; must return quickly. Result ignored.
+    Added in 1.0.
+    """
+
+
+@hookspec
+def kunlun_infer_engine_step(stats: Mapping[str, Any]) -> None:
+    """One engine step finished.
+
+    :param stats: ``step`` (counter), ``num_prefill_tokens``,
+        ``num_decode_tokens``, ``num_running``, ``num_waiting``,
+        ``kv_blocks_free``, ``duration_s``.
+
+    Called after every step in the engine's thread; keep it cheap (it sits on
+    the hot path). Result ignored. Added in 1.0.
+    """
+
+
+@hookspec
+def kunlun_infer_request_finished(output: Any) -> None:
+    """A request finished (stop, length or abort).
+
+    :param output: the final :class:`kunlun_infer.RequestOutput`.
+
+    Result ignored. Added in 1.0.
+    """
+
+
+@hookspec
+def kunlun_infer_engine_stop(stats: Mapping[str, Any]) -> None:
+    """The engine is shutting down; ``stats`` is its final ``stats()`` dict.
+
+    Result ignored. Added in 1.0.
+    """

@@ -1,0 +1,140 @@
+"""The op table's contract: every named kernel, its signature, and its plain-torch reference.
+
+A model declares the ops it needs by name; the runtime resolves each against
+the chosen ops plugin and falls back to the reference here (logged and
+counted) or refuses under ``ops.strict``. ``OP_SPECS`` is also what the
+conformance suite iterates over: each spec can build sample inputs so any
+plugin's kernel is compared with the reference within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kunlun_infer.ops import reference
+
+__all__ = ["OP_SPECS", "OpSpec", "TOLERANCES", "reference"]
+
+#: (rtol, atol) per dtype used when comparing a kernel with its reference
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One op of the table.
+
+    ``reference``: the plain-torch definition. ``sample``: builds
+    ``(args, kwargs)`` for a conformance check from a dtype, a torch device and
+    a seeded generator. ``in_place_arg``: index of an argument the op mutates
+    (compared instead of the return value), or ``None``.
+    """
+
+    name: str
+    reference: Callable[..., Any]
+    sample: Callable[[torch.dtype, torch.device, torch.Generator], tuple[tuple, dict]]
+    in_place_arg: int | None = None
+    doc: str = ""
+
+
+def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+
+def _sample_rms(dtype, device, g):
+    return (_randn(g, 7, 64, dtype=dtype, device=device), _randn(g, 64, dtype=dtype, device=device), 1e-6), {}
+
+
+def _sample_add_rms(dtype, device, g):
+    x = _randn(g, 7, 64, dtype=dtype, device=device)
+    r = _randn(g, 7, 64, dtype=dtype, device=device)
+    return (x, r, _randn(g, 64, dtype=dtype, device=device), 1e-6), {}
+
+
+def _sample_rotary(dtype, device, g):
+    head_dim, max_pos = 32, 64
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cache = torch.stack((emb.cos(), emb.sin()), dim=1).to(device)
+    positions = torch.randint(0, max_pos, (9,), generator=g).to(device)
+    return (positions, _randn(g, 9, 4, head_dim, dtype=dtype, device=device),
+            _randn(g, 9, 2, head_dim, dtype=dtype, device=device), cache), {}
+
+
+def _sample_silu(dtype, device, g):
+    return (_randn(g, 5, 2 * 48, dtype=dtype, device=device),), {}
+
+
+def _sample_pack(dtype, device, g):
+    return (_randn(g, 24, 40, dtype=dtype, device=device),), {}
+
+
+def _sample_linear(dtype, device, g):
+    return (_randn(g, 6, 40, dtype=dtype, device=device), _randn(g, 24, 40, dtype=dtype, device=device),
+            _randn(g, 24, dtype=dtype, device=device)), {}
+
+
+def _sample_embedding(dtype, device, g):
+    return (torch.randint(0, 50, (11,), generator=g).to(device), _randn(g, 50, 16, dtype=dtype, device=device)), {}
+
+
+def _paged_layout(g, device, seqs: list[tuple[int, int]], num_blocks: int, block_size: int):
+    """Random disjoint block tables for ``seqs`` = [(ctx_len, q_len)]."""
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(math.ceil(c / block_size) for c, _ in seqs)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    for i, (ctx, _) in enumerate(seqs):
+        for b in range(math.ceil(ctx / block_size)):
+            tables[i, b] = perm.pop()
+    qsl = [0]
+    for _, q_len in seqs:
+        qsl.append(qsl[-1] + q_len)
+    return (tables.to(device), torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=device),
+            torch.tensor(qsl, dtype=torch.int32, device=device))
+
+
+def _sample_store_kv(dtype, device, g):
+    block_size, num_blocks, hk, d = 4, 8, 2, 16
+    k_cache = torch.zeros(num_blocks, block_size, hk, d, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:10].to(device)
+    slots[3] = -1
+    return (_randn(g, 10, hk, d, dtype=dtype, device=device), _randn(g, 10, hk, d, dtype=dtype, device=device),
+            k_cache, v_cache, slots), {}
+
+
+def _sample_paged_attention(dtype, device, g):
+    block_size, num_blocks, hq, hk, d = 4, 24, 4, 2, 16
+    seqs = [(1, 1), (9, 9), (13, 1), (10, 3)]  # prefill of 1, full prefill, decode, chunked prefill
+    tables, lens, qsl = _paged_layout(g, device, seqs, num_blocks, block_size)
+    k_cache = _randn(g, num_blocks, block_size, hk, d, dtype=dtype, device=device)
+    v_cache = _randn(g, num_blocks, block_size, hk, d, dtype=dtype, device=device)
+    q = _randn(g, int(qsl[-1]), hq, d, dtype=dtype, device=device)
+    return (q, k_cache, v_cache, tables, lens, qsl, d ** -0.5), {}
+
+
+OP_SPECS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        OpSpec("rms_norm", reference.rms_norm, _sample_rms),
+        OpSpec("add_rms_norm", reference.add_rms_norm, _sample_add_rms),
+        OpSpec("rotary_embedding", reference.rotary_embedding, _sample_rotary),
+        OpSpec("silu_and_mul", reference.silu_and_mul, _sample_silu),
+        OpSpec("pack_linear_weight", reference.pack_linear_weight, _sample_pack),
+        OpSpec("linear", reference.linear, _sample_linear),
+        OpSpec("embedding", reference.embedding, _sample_embedding),
+        OpSpec("store_kv", reference.store_kv, _sample_store_kv, in_place_arg=2),
+        OpSpec("paged_attention", reference.paged_attention, _sample_paged_attention),
+    )
+}
+for _name, _spec in OP_SPECS.items():
+    object.__setattr__(_spec, "doc", (_spec.reference.__doc__ or "").strip().splitlines()[0])

@@ -1,0 +1,135 @@
+"""Plain-torch reference implementations of every op in the op table.
+
+These are the definition of each op's meaning: correct first, fast never.
+Every ops plugin is checked against them by the conformance suite, and the
+runtime falls back to them for ops a plugin does not cover. Numerics follow
+Hugging Face ``transformers`` (e.g. RMSNorm normalises in float32 and applies
+the weight in the input dtype) so that models match it token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim, normalised in float32."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual' = x + residual``; returns ``(rms_norm(residual'), residual')``."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply rotary position embedding (rotate-half layout) to ``q`` and ``k``.
+
+    ``positions``: ``[T]`` int64; ``q``: ``[T, Hq, D]``; ``k``: ``[T, Hk, D]``;
+    ``cos_sin_cache``: ``[max_pos, 2, D]`` float32 holding cos and sin (already
+    multiplied by any attention scaling). Returns new ``(q, k)``.
+    """
+    cs = cos_sin_cache.index_select(0, positions)
+    cos = cs[:, 0].to(q.dtype).unsqueeze(1)
+    sin = cs[:, 1].to(q.dtype).unsqueeze(1)
+    q_out = q * cos + _rotate_half(q) * sin
+    k_out = k * cos + _rotate_half(k) * sin
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :n]) * x[..., n:]`` with ``n = x.shape[-1] // 2`` (SwiGLU)."""
+    n = x.shape[-1] // 2
+    return F.silu(x[..., :n]) * x[..., n:]
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Prepare a ``[out, in]`` weight for ``linear``; the reference keeps it as is.
+
+    A provider may return any object (a prepacked layout); the framework only
+    passes it back to the same provider's ``linear``.
+    """
+    return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` where ``weight`` came from ``pack_linear_weight``."""
+    return F.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of ``weight`` selected by ``ids``."""
+    return F.embedding(ids, weight)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` (``[T, Hk, D]``) into the paged caches in place.
+
+    Caches are ``[num_blocks, block_size, Hk, D]``; ``slot_mapping[t]`` is the
+    flat slot ``block * block_size + offset`` of token ``t``; negative slots are
+    skipped (padding).
+    """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of new query tokens over each sequence's paged K/V.
+
+    ``q``: ``[T, Hq, D]`` — the new tokens of ``B`` sequences laid end to end,
+    sequence ``i`` owning rows ``query_start_loc[i]:query_start_loc[i+1]``.
+    ``seq_lens[i]``: tokens of context of sequence ``i`` *including* its new
+    tokens, whose K/V are already stored. ``block_tables``: ``[B, max_blocks]``
+    int32 block ids (unused entries arbitrary). Query token ``j`` of sequence
+    ``i`` sits at position ``seq_lens[i] - q_len_i + j`` and sees keys
+    ``0..`` that position. ``Hq`` must be a multiple of ``Hk`` (GQA).
+    Softmax in float32. Returns ``[T, Hq, D]`` in ``q.dtype``.
+    """
+    block_size = k_cache.shape[1]
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, ctx in enumerate(lens):
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        nblocks = (ctx + block_size - 1) // block_size
+        blocks = block_tables[i, :nblocks].long()
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx]  # [ctx, Hk, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        qi = q[start:end].transpose(0, 1).to(torch.float32)  # [Hq, q_len, D]
+        ki = k.transpose(0, 1).to(torch.float32)  # [Hq, ctx, D]
+        vi = v.transpose(0, 1).to(torch.float32)
+        scores = torch.matmul(qi, ki.transpose(1, 2)) * scale  # [Hq, q_len, ctx]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.matmul(probs, vi).transpose(0, 1).to(q.dtype)
+    return out
