@@ -1,0 +1,113 @@
+"""What a request asks for: :class:`SamplingParams`, checked before anything is scheduled.
+
+Every field is validated when the object is built; a bad value raises
+:class:`kunlun_infer.errors.RequestError` naming the field and the allowed
+range, so the engine never sees it. Checks that need the model (vocabulary
+size, ``max_model_len``) live in :func:`validate_prompt`, which the engine
+calls from ``add_request``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from kunlun_infer.errors import RequestError
+
+#: most alternatives a request may ask logprobs for, per generated token
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` switch those
+    filters off. ``seed`` gives the request its own random generator, so the
+    same seed gives the same tokens whatever else runs in the batch.
+    ``stop`` strings end generation and are cut from the text;
+    ``stop_token_ids`` (and the model's EOS unless ``ignore_eos``) end it
+    with the token kept in ``token_ids``. ``logprobs=N`` returns, for each
+    generated token, the log-probability of that token and of the N most
+    likely ones (``0`` = the chosen token only).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        _require_int("max_tokens", self.max_tokens, low=1)
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or math.isnan(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}",
+                               field="temperature")
+        _require_int("top_k", self.top_k, low=0, note=" (0 = off)")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) \
+                or math.isnan(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", field="top_p")
+        if self.seed is not None:
+            _require_int("seed", self.seed, low=0, high=2**63 - 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", field="ignore_eos")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"stop must be a list of non-empty strings, got {s!r}", field="stop")
+        for t in self.stop_token_ids:
+            _require_int("stop_token_ids", t, low=0)
+        if self.logprobs is not None:
+            _require_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are picked by argmax."""
+        return self.temperature == 0
+
+
+def _require_int(field: str, value: object, *, low: int, high: int | None = None, note: str = "") -> None:
+    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        raise RequestError(f"{field} must be an integer {allowed}{note}, got {value!r}", field=field)
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, *, vocab_size: int,
+                    max_model_len: int, max_kv_tokens: int | None = None) -> None:
+    """Refuse a prompt the model cannot serve: empty, out-of-vocabulary ids, or too long.
+
+    ``max_kv_tokens`` is what the whole KV cache holds; a request that could
+    not fit even running alone is refused rather than preempted forever.
+    """
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise RequestError("prompt must contain at least one token, got an empty prompt", field="prompt")
+    bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)
+                or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size - 1}], got {bad!r}",
+                           field="prompt")
+    if n + params.max_tokens > max_model_len:
+        raise RequestError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) must be <= model.max_model_len "
+            f"({max_model_len}); shorten the prompt or lower max_tokens", field="max_tokens")
+    if max_kv_tokens is not None and n + params.max_tokens > max_kv_tokens:
+        raise RequestError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) must be <= the KV cache's capacity "
+            f"({max_kv_tokens} tokens); lower max_tokens or raise cache.num_blocks", field="max_tokens")
+    bad_stop = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+    if bad_stop is not None:
+        raise RequestError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {bad_stop}",
+                           field="stop_token_ids")

@@ -1,0 +1,163 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Two queues. ``running`` sequences go first, oldest first: each gets its
+decode token or its next prefill chunk. Then ``waiting`` sequences join,
+first come first served, while there is room in ``max_num_seqs``, in the
+step's token budget (``max_num_batched_tokens``) and in the KV cache; a
+prompt longer than what is left of the budget is cut into chunks, so prefill
+chunks and decodes share one step. When a running sequence cannot get a KV
+block, the newest running sequence is preempted: its blocks are freed and it
+goes back to the front of ``waiting``, to be recomputed when it resumes
+(its cached prefix blocks often make that cheap).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import deque
+
+from kunlun_infer.engine.block_manager import BlockManager
+from kunlun_infer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    """One step's work: ``seqs[i]`` computes ``num_new_tokens[i]`` tokens from its ``num_computed_tokens``."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class Scheduler:
+    """Decides each step's batch and keeps the running/waiting queues."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = True) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        #: kept sorted by ``seq_id`` (arrival order)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_query_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's sequences and token counts, allocating their KV blocks."""
+        batch = ScheduledBatch([], [])
+        budget = self.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget <= 0:
+                break
+            num_new = min(seq.num_uncomputed_tokens, budget) if self.chunked_prefill else seq.num_uncomputed_tokens
+            if self._reserve_or_preempt(seq, num_new):
+                self._add_to_batch(batch, seq, num_new)
+                budget -= num_new
+        if self.num_preemptions == preemptions_before:  # no room was short: let newcomers in
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _reserve_or_preempt(self, seq: Sequence, num_new: int) -> bool:
+        """Allocate blocks for ``seq``, preempting newer sequences; False if ``seq`` itself was preempted."""
+        while not self.block_manager.can_allocate(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_new)
+        return True
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = bm.match_prefix(seq)
+            num_new = len(seq) - len(prefix) * bm.block_size
+            if num_new > budget:
+                if not self.chunked_prefill:
+                    break
+                num_new = budget
+            if not bm.can_allocate(seq, num_new, prefix):
+                break
+            self.waiting.popleft()
+            bm.take_prefix(seq, prefix)
+            bm.allocate(seq, num_new)
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_cache_hit_tokens += seq.num_computed_tokens
+            self.prefix_cache_query_tokens += len(seq)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            self._add_to_batch(batch, seq, num_new)
+            budget -= num_new
+
+    @staticmethod
+    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            batch.num_decode_tokens += 1
+        else:
+            batch.num_prefill_tokens += num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ after the model ran
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """Record the step's progress; ``sampled`` maps batch index to the token sampled for it.
+
+        Returns the sequences that finished by token (stop token or length);
+        their blocks are already freed.
+        """
+        finished = []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += num_new
+            self.block_manager.commit(seq)
+            token = sampled.get(i)
+            if token is None:
+                continue
+            seq.append_token(token)
+            if seq.finish_reason is not None:
+                self.finish(seq, seq.finish_reason)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (``"stop"``, ``"length"`` or ``"abort"``) and return its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
