@@ -14,6 +14,8 @@ from kunlun_infer.errors import (
 
 __version__ = "0.1.0"
 
+from kunlun_infer.runtime.compose import compose_config  # noqa: E402 - needs __version__ above
+
 __all__ = [
     "ConfigError",
     "DeviceOutOfMemoryError",
@@ -25,4 +27,5 @@ __all__ = [
     "RequestError",
     "WorkerError",
     "__version__",
+    "compose_config",
 ]

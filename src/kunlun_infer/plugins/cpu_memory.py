@@ -1,0 +1,193 @@
+"""Built-in memory plugins for the CPU: ``caching`` (a pool) and ``simple`` (straight through).
+
+Both hand out tensors viewed on uint8 blocks whose start is a multiple of
+``alignment`` and whose size is a multiple of ``granularity``. ``caching``
+keeps freed blocks in free lists bucketed by size and hands them out again;
+``empty_cache`` gives them back. Requests larger than the memory the device
+reports free raise :class:`DeviceOutOfMemoryError` with the numbers, instead
+of leaving the process to the operating system's OOM killer.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kunlun_infer import __version__
+from kunlun_infer.capabilities import Device, MemoryAllocator, MemoryStats
+from kunlun_infer.errors import DeviceOutOfMemoryError
+from kunlun_infer.hookspecs import PluginInfo, hookimpl
+from kunlun_infer.plugins.cpu_device import stack_versions
+
+PLUGIN_NAME = "cpu-memory"
+#: requests at least this large are checked against the device's free memory first
+_CHECK_FREE_FROM = 64 << 20
+
+
+class _Block:
+    """One reserved region: ``data`` is an aligned uint8 view of ``size`` bytes."""
+
+    __slots__ = ("data", "size")
+
+    def __init__(self, data: torch.Tensor, size: int) -> None:
+        self.data = data
+        self.size = size
+
+
+class _BaseAllocator(MemoryAllocator):
+    """Shared bookkeeping: block reservation, live blocks by address, statistics."""
+
+    def __init__(self, *, device: Device, alignment: int = 64, granularity: int = 512) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        if granularity <= 0 or granularity % alignment and alignment % granularity:
+            raise ValueError(f"granularity {granularity} must be a positive multiple or divisor of alignment")
+        self.device = device
+        self.alignment = alignment
+        self.granularity = granularity
+        self._lock = threading.Lock()
+        self._live: dict[int, _Block] = {}
+        self._allocated = 0
+        self._reserved = 0
+        self._peak = 0
+        self._num_allocs = 0
+        self._num_cache_hits = 0
+
+    def _reserve(self, size: int) -> _Block:
+        """A fresh aligned block of ``size`` bytes from the device."""
+        if size >= _CHECK_FREE_FROM:
+            free, total = self.device.mem_get_info()
+            if size > free:
+                raise DeviceOutOfMemoryError(
+                    f"{self.name}: cannot allocate {size} bytes; {free} of {total} bytes free on device "
+                    f"'{self.device.name}'", requested=size, free=free, capacity=total)
+        try:
+            raw = torch.empty(size + self.alignment, dtype=torch.uint8, device=self.device.torch_device)
+        except RuntimeError as exc:  # the device refused it
+            free, total = self.device.mem_get_info()
+            raise DeviceOutOfMemoryError(f"{self.name}: cannot allocate {size} bytes ({exc}); {free} of {total} "
+                                         f"bytes free", requested=size, free=free, capacity=total) from exc
+        offset = (-raw.data_ptr()) % self.alignment
+        self._reserved += size
+        return _Block(raw[offset:offset + size], size)
+
+    def _hand_out(self, block: _Block, shape: Sequence[int], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        self._live[block.data.data_ptr()] = block
+        self._allocated += block.size
+        self._peak = max(self._peak, self._allocated)
+        self._num_allocs += 1
+        return block.data[:nbytes].view(dtype).view(tuple(shape))
+
+    def _take_back(self, tensor: torch.Tensor) -> _Block:
+        block = self._live.pop(tensor.data_ptr(), None)
+        if block is None:
+            raise ValueError(f"{self.name}: this tensor was not allocated by this allocator or was already freed")
+        self._allocated -= block.size
+        return block
+
+    @staticmethod
+    def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+        return math.prod(int(d) for d in shape) * torch.empty((), dtype=dtype).element_size()
+
+    def stats(self) -> MemoryStats:
+        with self._lock:
+            reserved = self._reserved
+            fragmentation = 1.0 - self._allocated / reserved if reserved else 0.0
+            return MemoryStats(allocated=self._allocated, reserved=reserved, peak=self._peak,
+                               fragmentation=fragmentation, num_allocs=self._num_allocs,
+                               num_cache_hits=self._num_cache_hits)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._allocated
+
+
+class CachingAllocator(_BaseAllocator):
+    """A pool: freed blocks wait in a free list per rounded size and are reused first."""
+
+    name = "caching"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._free: dict[int, list[_Block]] = collections.defaultdict(list)
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = self._nbytes(shape, dtype)
+        size = self.round_size(nbytes)
+        with self._lock:
+            bucket = self._free.get(size)
+            if bucket:
+                self._num_cache_hits += 1
+                return self._hand_out(bucket.pop(), shape, dtype, nbytes)
+            try:
+                block = self._reserve(size)
+            except DeviceOutOfMemoryError:
+                self._release_cached()  # cached blocks of other sizes may make room
+                block = self._reserve(size)
+            return self._hand_out(block, shape, dtype, nbytes)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            block = self._take_back(tensor)
+            self._free[block.size].append(block)
+
+    def empty_cache(self) -> None:
+        with self._lock:
+            self._release_cached()
+
+    def _release_cached(self) -> None:
+        for size, blocks in self._free.items():
+            self._reserved -= size * len(blocks)
+        self._free.clear()
+
+    def cached_sizes(self) -> dict[int, int]:
+        """``{block size: number of cached blocks}``, for inspection."""
+        with self._lock:
+            return {size: len(blocks) for size, blocks in self._free.items() if blocks}
+
+
+class SimpleAllocator(_BaseAllocator):
+    """No cache: every allocation reserves a new block, every free releases it."""
+
+    name = "simple"
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = self._nbytes(shape, dtype)
+        with self._lock:
+            return self._hand_out(self._reserve(self.round_size(nbytes)), shape, dtype, nbytes)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._reserved -= self._take_back(tensor).size
+
+
+def _layout(config: Any) -> dict[str, int]:
+    layout = {}
+    for key in ("alignment", "granularity"):
+        if config is not None and config.get(key) is not None:
+            layout[key] = int(config.get(key))
+    return layout
+
+
+def make_caching(*, config: Any, device: Device) -> CachingAllocator:
+    return CachingAllocator(device=device, **_layout(config))
+
+
+def make_simple(*, config: Any, device: Device) -> SimpleAllocator:
+    return SimpleAllocator(device=device, **_layout(config))
+
+
+@hookimpl
+def kunlun_infer_plugin_info() -> PluginInfo:
+    return PluginInfo(name=PLUGIN_NAME, version=__version__, api=">=1.0,<2", capabilities=("memory",),
+                      stack=stack_versions(), description="host memory: a caching pool and a plain allocator")
+
+
+@hookimpl
+def kunlun_infer_memory_factories() -> dict[str, Any]:
+    return {"caching": make_caching, "simple": make_simple}

@@ -1,0 +1,98 @@
+"""Built-in ops plugin ``torch``: every op of the table in plain torch, correct first.
+
+Most kernels are the references themselves. ``paged_attention`` is
+vectorised: decode tokens (one query per sequence) of the whole batch run as
+one padded, masked scaled-dot-product attention; prefill and chunked-prefill
+sequences run one SDPA call each with a bottom-right causal mask. Low
+precision inputs are attended in float32, like the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kunlun_infer import __version__
+from kunlun_infer.capabilities import Device, DictOpsProvider
+from kunlun_infer.hookspecs import PluginInfo, hookimpl
+from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.plugins.cpu_device import stack_versions
+
+PLUGIN_NAME = "torch-ops"
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          scale: float) -> torch.Tensor:
+    """SDPA over ``[B, H, Lq, D]`` inputs in float32, GQA heads expanded by SDPA itself."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+            lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence: ``q`` ``[B, Hq, D]`` → ``[B, Hq, D]``."""
+    block_size = k_cache.shape[1]
+    max_len = int(lens.max())
+    nblocks = -(-max_len // block_size)
+    ids = tables[:, :nblocks].long().clamp(0, k_cache.shape[0] - 1)  # unused entries may hold anything
+    k = k_cache[ids].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hk, L, D]
+    v = v_cache[ids].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+    return _sdpa(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
+
+
+def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+             ctx: int, scale: float) -> torch.Tensor:
+    """The new tokens ``q`` ``[Lq, Hq, D]`` of one sequence with ``ctx`` tokens of context."""
+    block_size = k_cache.shape[1]
+    blocks = table[: -(-ctx // block_size)].long()
+    k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)  # [1, Hk, ctx, D]
+    v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+    q_len = q.shape[0]
+    q_pos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
+    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # bottom-right causal
+    return _sdpa(q.transpose(0, 1).unsqueeze(0), k, v, mask, scale)[0].transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention over paged K/V; same contract as the reference ``paged_attention``."""
+    out = torch.empty_like(q)
+    qsl = query_start_loc.tolist()
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        rows = torch.tensor([qsl[i] for i in decode], device=q.device)
+        idx = torch.tensor(decode, device=q.device)
+        out[rows] = _decode(q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale).to(q.dtype)
+    lens = seq_lens.tolist()
+    for i, n in enumerate(q_lens):
+        if n > 1:
+            start = qsl[i]
+            out[start:start + n] = _prefill(q[start:start + n], k_cache, v_cache, block_tables[i], lens[i],
+                                            scale).to(q.dtype)
+    return out
+
+
+def kernels() -> dict[str, Any]:
+    """Every op of the table: the references, with the vectorised ``paged_attention``."""
+    table = {name: spec.reference for name, spec in OP_SPECS.items()}
+    table["paged_attention"] = paged_attention
+    return table
+
+
+def make_torch_ops(*, config: Any, device: Device) -> DictOpsProvider:
+    return DictOpsProvider(kernels(), name="torch")
+
+
+@hookimpl
+def kunlun_infer_plugin_info() -> PluginInfo:
+    return PluginInfo(name=PLUGIN_NAME, version=__version__, api=">=1.0,<2", capabilities=("ops",),
+                      stack=stack_versions(), description="every op in plain torch (any torch device)")
+
+
+@hookimpl
+def kunlun_infer_ops_factories() -> dict[str, Any]:
+    return {"torch": make_torch_ops}

@@ -1,0 +1,116 @@
+"""``compose_config``: build the run's config from ``conf/``, plugin options and overrides.
+
+Uses Hydra's composition machinery directly, never ``hydra.main`` nor the
+global Hydra instance: no ``outputs/`` folder, no change of working directory,
+no logging set-up, and it works inside an application that itself runs under
+``@hydra.main``. The root schema and the plugins' options are put into Hydra's
+config store only for the duration of one composition (under a lock) and
+removed again, so nothing leaks from one composition into the next.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from kunlun_infer.config import KunlunConfig
+from kunlun_infer.errors import ConfigError
+from kunlun_infer.runtime.config_checks import check_composed, refuse_target_overrides, translate_error
+from kunlun_infer.runtime.log import runtime_log
+from kunlun_infer.runtime.options import CONF_PACKAGE, option_node
+
+#: name under which the root schema is stored; first entry of ``conf/config.yaml``'s defaults
+SCHEMA_NAME = "_kunlun_schema"
+_STORE_LOCK = threading.Lock()
+
+
+def _loader() -> Any:
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # registers Hydra's config sources (pkg://, file://, structured://)
+    search_path = ConfigSearchPathImpl()
+    search_path.append("hydra", "pkg://hydra.conf")
+    search_path.append("main", f"pkg://{CONF_PACKAGE}")
+    search_path.append("schema", "structured://")
+    return ConfigLoaderImpl(config_search_path=search_path)
+
+
+class _StoredEntries:
+    """Put entries into Hydra's config store and restore whatever was there before."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[dict[str, Any], str, Any]] = []
+        self._created_groups: list[str] = []
+
+    def store(self, *, name: str, node: Any, group: str | None = None, provider: str = "kunlun_infer") -> None:
+        repo = ConfigStore.instance().repo
+        if group is not None and group not in repo:
+            self._created_groups.append(group)
+        ConfigStore.instance().store(name=name, node=node, group=group, provider=provider)
+        folder = repo if group is None else repo[group]
+        key = f"{name}.yaml"
+        self._saved.append((folder, key, folder.get(key)))
+
+    def restore(self) -> None:
+        repo = ConfigStore.instance().repo
+        for folder, key, previous in reversed(self._saved):
+            if previous is None:
+                folder.pop(key, None)
+            else:
+                folder[key] = previous
+        for group in self._created_groups:
+            if not repo.get(group):
+                repo.pop(group, None)
+
+
+def compose_config(overrides: Sequence[str] = (), *, plugin_manager: Any = None) -> DictConfig:
+    """Compose the config of a run.
+
+    :param overrides: Hydra overrides (``["device=cpu", "scheduler.max_num_seqs=8"]``).
+    :param plugin_manager: a :class:`~kunlun_infer.runtime.PluginManager`
+        whose plugins' options join the groups; by default one is loaded.
+    :return: a struct-mode ``DictConfig`` typed by :class:`kunlun_infer.config.KunlunConfig`
+        (an unknown key or a badly typed value is refused, also on later assignment).
+    :raises ConfigError: one line naming the group, key or value at fault.
+    """
+    from kunlun_infer.runtime.manager import PluginManager
+
+    overrides = [str(o) for o in overrides]
+    refuse_target_overrides(overrides)
+    manager = plugin_manager if plugin_manager is not None else PluginManager.load()
+    with _STORE_LOCK:
+        stored = _StoredEntries()
+        try:
+            stored.store(name=SCHEMA_NAME, node=KunlunConfig)
+            for plugin, option in manager.config_options():
+                stored.store(group=option.group, name=option.name, node=option_node(option),
+                             provider=f"kunlun_infer plugin {plugin}")
+            cfg = _loader().load_configuration(config_name="config", overrides=overrides, run_mode=_run_mode())
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise translate_error(exc, overrides, manager) from exc
+        finally:
+            stored.restore()
+    with open_dict(cfg):
+        del cfg["hydra"]
+    check_composed(cfg)
+    OmegaConf.set_readonly(cfg, False)
+    OmegaConf.set_struct(cfg, True)
+    runtime_log.debug("composed config with overrides %s", overrides)
+    return cfg
+
+
+def _run_mode() -> Any:
+    from hydra.types import RunMode
+
+    return RunMode.RUN
+
+
+__all__ = ["ConfigError", "SCHEMA_NAME", "compose_config"]
