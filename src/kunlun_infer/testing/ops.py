@@ -1,0 +1,71 @@
+"""Conformance of an ops provider: every op it supports, against its reference, per dtype.
+
+``pack_linear_weight`` and ``linear`` are checked together
+(``linear(x, pack(w), b)`` against the reference ``linear(x, w, b)``), since
+only the provider's own ``linear`` understands its packed weights. For ops
+that mutate an argument (``store_kv``) the mutated argument is compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from kunlun_infer.ops import OP_SPECS, TOLERANCES, reference
+from kunlun_infer.testing.compare import ConformanceError, assert_matches, tolerance
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def check_op(provider: Any, op: str, dtype: torch.dtype, device: torch.device, *, seed: int = 0) -> None:
+    """Raise :class:`ConformanceError` naming op, dtype and tolerance when ``op`` misbehaves."""
+    spec = OP_SPECS[op]
+    rtol, atol = tolerance(dtype)
+    what = f"op '{op}' ({dtype}, tolerance rtol={rtol} atol={atol})"
+    args, kwargs = spec.sample(dtype, device, torch.Generator().manual_seed(seed))
+    if op in ("linear", "pack_linear_weight"):
+        if op == "pack_linear_weight":  # checked through linear, with the sample inputs of linear
+            args, kwargs = OP_SPECS["linear"].sample(dtype, device, torch.Generator().manual_seed(seed))
+            if not provider.supports("linear"):
+                raise ConformanceError(f"{what}: the provider packs weights but has no 'linear' to use them")
+        x, weight, bias = args
+        pack = provider.get("pack_linear_weight") if provider.supports("pack_linear_weight") else None
+        packed = pack(weight.clone()) if pack is not None else weight.clone()
+        linear = provider.get("linear")
+        got = linear(x.clone(), packed, bias.clone())
+        assert_matches(got, reference.linear(x, weight, bias), what=f"{what} via linear(x, pack(w), b)", dtype=dtype)
+        return
+    mine_args, ref_args = _clone(args), _clone(args)
+    got = provider.get(op)(*mine_args, **_clone(kwargs))
+    want = spec.reference(*ref_args, **_clone(kwargs))
+    if spec.in_place_arg is not None:
+        i = spec.in_place_arg
+        assert_matches(mine_args[i], ref_args[i], what=what, dtype=dtype, path=f"argument {i} (updated in place)")
+        if spec.name == "store_kv":  # both caches are written
+            assert_matches(mine_args[i + 1], ref_args[i + 1], what=what, dtype=dtype,
+                           path=f"argument {i + 1} (updated in place)")
+        return
+    assert_matches(got, want, what=what, dtype=dtype)
+
+
+def check_ops(provider: Any, device: Any, *, dtypes: Iterable[torch.dtype] | None = None,
+              ops: Iterable[str] | None = None) -> list[tuple[str, torch.dtype]]:
+    """Check every supported op in every dtype the device supports; returns what was checked."""
+    if dtypes is None:
+        dtypes = [d for d in TOLERANCES if d in device.supported_dtypes()]
+    checked = []
+    for op in ops if ops is not None else OP_SPECS:
+        if not provider.supports(op):
+            continue
+        for dtype in dtypes:
+            check_op(provider, op, dtype, device.torch_device)
+            checked.append((op, dtype))
+    return checked
