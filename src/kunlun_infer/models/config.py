@@ -1,0 +1,254 @@
+"""Parse a Hugging Face ``config.json`` (+ ``generation_config.json``) into a :class:`ModelArchConfig`.
+
+Both layouts of rotary settings are read: the older top-level ``rope_theta``
+with ``rope_scaling``, and ``rope_parameters`` written by newer
+``transformers``. Defaults for absent fields are those of the matching
+``transformers`` config class, so a folder means the same thing here as there.
+Anything this engine cannot run faithfully is refused with a
+:class:`~kunlun_infer.errors.ModelLoadError` naming the file and field and
+listing what is supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kunlun_infer.errors import ConfigError, ModelLoadError
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "yarn", "llama3")
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# defaults of the transformers config classes, for fields a config.json may leave out
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None, "head_dim": None,
+                         "bos_token_id": 1, "eos_token_id": 2},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "head_dim": None,
+                           "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+}
+_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArchConfig:
+    """What the model code needs to know about a checkpoint's architecture."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    #: ``None`` for plain RoPE, else the scaling settings with ``rope_type`` set
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    #: q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool
+    #: the attention output projection carries a bias
+    attention_out_bias: bool
+    mlp_bias: bool
+    #: RMSNorm of each query and key head before rotary (Qwen3)
+    qk_norm: bool
+    torch_dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    #: attention window of the checkpoint; the usable context is capped to it
+    sliding_window: int | None
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest context this model serves: positions it was trained or scaled for, within the window."""
+        n = self.max_position_embeddings
+        s = self.rope_scaling or {}
+        if s.get("rope_type") in ("linear", "dynamic"):
+            n = int(n * s["factor"])
+        elif s.get("rope_type") == "yarn" and s.get("factor"):
+            n = max(n, int(s["original_max_position_embeddings"] * s["factor"]))
+        return min(n, self.sliding_window) if self.sliding_window else n
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Refuse a context longer than the attention window (sliding-window attention is not run)."""
+        if self.sliding_window and max_model_len > self.sliding_window:
+            raise ModelLoadError(
+                f"max_model_len={max_model_len} exceeds this {self.architecture}'s sliding_window="
+                f"{self.sliding_window}; sliding-window attention is not supported, so set "
+                f"model.max_model_len <= {self.sliding_window}")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``, or a ModelLoadError naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} not found; a model folder needs config.json, safetensors weights "
+                             "and tokenizer.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path} is not readable JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _architecture(raw: dict[str, Any], path: Path) -> str:
+    names = raw.get("architectures") or []
+    if not names and raw.get("model_type") in _MODEL_TYPES:
+        names = [_MODEL_TYPES[raw["model_type"]]]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    shown = ", ".join(names) or f"model_type={raw.get('model_type')!r}"
+    raise ModelLoadError(f"{path}: architecture {shown} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _rope(raw: dict[str, Any], path: Path, max_position_embeddings: int) -> tuple[float, dict[str, Any] | None]:
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ModelLoadError(f"{path}: rope_scaling/rope_parameters must be one flat object; per-layer "
+                             "rotary settings are not supported")
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(f"{path}: partial_rotary_factor={partial} is not supported (only full rotary)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"{path}: rope scaling type {rope_type!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    missing = [k for k in _ROPE_REQUIRED[rope_type] if k not in params]
+    if missing:
+        raise ModelLoadError(f"{path}: rope scaling {rope_type!r} needs field(s) {', '.join(missing)}")
+    scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    scaling["rope_type"] = rope_type
+    if rope_type in ("yarn", "llama3"):
+        original = raw.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(original or max_position_embeddings)
+    return theta, scaling
+
+
+def _dtype(raw: dict[str, Any], path: Path) -> torch.dtype:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if name not in DTYPES:
+        raise ModelLoadError(f"{path}: dtype {name!r} is not supported; supported: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_model_config(raw: dict[str, Any], path: Path, generation: dict[str, Any] | None = None) -> ModelArchConfig:
+    """Build a :class:`ModelArchConfig` from the parsed ``config.json`` at ``path``."""
+    arch = _architecture(raw, path)
+    if raw.get("quantization_config"):
+        raise ModelLoadError(f"{path}: quantized checkpoints (quantization_config) are not supported")
+    defaults = _DEFAULTS[arch]
+
+    def field(name: str, kind: type = int, default: Any = ...) -> Any:
+        value = raw.get(name, defaults.get(name, default))
+        if value is ...:
+            raise ModelLoadError(f"{path}: required field {name!r} is missing")
+        if value is None:
+            return None
+        try:
+            if kind is int and (isinstance(value, bool) or int(value) != value or value <= 0):
+                raise ValueError
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ModelLoadError(f"{path}: field {name!r} has bad value {value!r} "
+                                 f"(expected a positive {kind.__name__})") from None
+
+    hidden, heads = field("hidden_size"), field("num_attention_heads")
+    kv_heads = field("num_key_value_heads") or heads
+    head_dim = field("head_dim") or hidden // heads
+    if heads % kv_heads:
+        raise ModelLoadError(f"{path}: num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={kv_heads}")
+    if head_dim % 2:
+        raise ModelLoadError(f"{path}: head_dim={head_dim} must be even for rotary embeddings")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{path}: hidden_act={act!r} is not supported; supported: silu")
+    max_pos = field("max_position_embeddings")
+    theta, scaling = _rope(raw, path, max_pos)
+
+    bias = bool(raw.get("attention_bias", False))
+    window = raw.get("sliding_window", defaults.get("sliding_window"))
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        layer_types = raw.get("layer_types")
+        sliding_layers = ("sliding_attention" in layer_types if layer_types else
+                          field("num_hidden_layers") > raw.get("max_window_layers", 28))
+        window = window if raw.get("use_sliding_window", False) and sliding_layers else None
+    elif arch == "LlamaForCausalLM":
+        window = None
+    generation = generation or {}
+    eos: list[int] = []
+    for i in _ids(generation.get("eos_token_id")) + _ids(raw.get("eos_token_id", defaults.get("eos_token_id"))):
+        if i not in eos:
+            eos.append(i)
+    bos = generation.get("bos_token_id", raw.get("bos_token_id", defaults.get("bos_token_id")))
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=field("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=field("intermediate_size"),
+        num_hidden_layers=field("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=field("rms_norm_eps", float, 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
+        attention_out_bias=bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False,
+        mlp_bias=bool(raw.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        torch_dtype=_dtype(raw, path),
+        eos_token_ids=tuple(eos),
+        bos_token_id=None if bos is None else int(bos),
+        pad_token_id=raw.get("pad_token_id"),
+        sliding_window=int(window) if window else None,
+    )
+
+
+def load_model_config(model_dir: str | Path) -> ModelArchConfig:
+    """Read ``config.json`` and, when present, ``generation_config.json`` (for EOS) of ``model_dir``."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model folder {model_dir} does not exist or is not a folder")
+    generation_path = model_dir / "generation_config.json"
+    generation = read_json(generation_path) if generation_path.is_file() else None
+    return parse_model_config(read_json(model_dir / "config.json"), model_dir / "config.json", generation)
+
+
+def resolve_dtype(requested: str | torch.dtype, config: ModelArchConfig) -> torch.dtype:
+    """The compute dtype for ``model.dtype`` (``auto`` = the checkpoint's own)."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested == "auto":
+        return config.torch_dtype
+    if requested not in DTYPES:
+        raise ConfigError(f"model.dtype={requested!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[requested]

@@ -1,0 +1,194 @@
+"""Build a model on the runtime's device and load its weights from safetensors, never from pickles.
+
+Order of work, so that a bad folder fails fast and says where: parse the
+config; find the weight files (``model.safetensors``, a sharded set with
+``model.safetensors.index.json``, or other ``*.safetensors``) and read every
+header, checking it against the file size; build the model; check every
+tensor name, shape and dtype the model needs against the headers; only then
+read each rank's shard with ``safe_open(...).get_slice`` and copy it in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from kunlun_infer.errors import ModelLoadError
+from kunlun_infer.layers import LayerContext
+from kunlun_infer.models.base import CausalLM
+from kunlun_infer.models.config import DTYPES, ModelArchConfig, load_model_config, read_json
+from kunlun_infer.models.llama import LlamaForCausalLM
+from kunlun_infer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+_FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_ITEM_SIZES = {**_FLOAT_DTYPES, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class StoredTensor(NamedTuple):
+    """A tensor as a safetensors header describes it."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def model_class(config: ModelArchConfig) -> type[CausalLM]:
+    """The model class for ``config.architecture``."""
+    return MODEL_CLASSES[config.architecture]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of ``model_dir``; refuses pickle-only folders."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index} has no 'weight_map' of tensor names to files")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index} lists {f.name}, which is missing from {model_dir}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir} holds only pickle weights ({', '.join(pickles)}); only safetensors are supported "
+            "because pickles can run code when loaded. Convert once with transformers: "
+            "model.save_pretrained(dir, safe_serialization=True)")
+    raise ModelLoadError(f"no weights in {model_dir}: expected model.safetensors or sharded *.safetensors "
+                         "with model.safetensors.index.json")
+
+
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    """Tensor names, dtypes and shapes of one safetensors file, checked against its size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise ValueError(f"header of {header_len} bytes does not fit a file of {size} bytes")
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not a readable safetensors file (corrupt or truncated?): {e}") from e
+    data_len = size - 8 - header_len
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelLoadError(f"{path}: header entry for tensor {name!r} is malformed") from None
+        if end > data_len:
+            raise ModelLoadError(f"{path} is truncated: tensor {name!r} ends at byte {end} of the data, "
+                                 f"but the file holds only {data_len} data bytes; download or save it again")
+        if dtype in _ITEM_SIZES and end - start != math.prod(shape) * _ITEM_SIZES[dtype]:
+            raise ModelLoadError(f"{path}: tensor {name!r} has {end - start} bytes, not what "
+                                 f"{dtype}{list(shape)} needs")
+        tensors[name] = StoredTensor(path, dtype, shape)
+    return tensors
+
+
+def checkpoint_index(model_dir: Path) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint, by name."""
+    index: dict[str, StoredTensor] = {}
+    for path in weight_files(model_dir):
+        for name, stored in read_header(path).items():
+            if name in index:
+                raise ModelLoadError(f"tensor {name!r} appears in both {index[name].file.name} and {path.name}")
+            index[name] = stored
+    return index
+
+
+def validate_checkpoint(model: CausalLM, index: dict[str, StoredTensor], model_dir: Path) -> None:
+    """Every tensor the model needs is present with the right shape and a float dtype; nothing else is."""
+    needed = model.checkpoint_tensors()
+    files = ", ".join(sorted({s.file.name for s in index.values()})) or "(no tensors)"
+    for name, (_, spec) in needed.items():
+        stored = index.get(name)
+        if stored is None:
+            raise ModelLoadError(f"tensor {name!r} (shape {list(spec.shape)}) is missing from {files} in "
+                                 f"{model_dir}; the weights do not match config.json")
+        if stored.shape != spec.shape:
+            raise ModelLoadError(f"{stored.file}: tensor {name!r} has shape {list(stored.shape)}, but "
+                                 f"config.json implies {list(spec.shape)}")
+        if stored.dtype not in _FLOAT_DTYPES:
+            raise ModelLoadError(f"{stored.file}: tensor {name!r} has dtype {stored.dtype}; only "
+                                 f"{', '.join(_FLOAT_DTYPES)} weights are supported")
+    for name, stored in index.items():
+        if name not in needed and not model.is_ignored_tensor(name):
+            raise ModelLoadError(f"{stored.file}: unexpected tensor {name!r} for a {model.config.architecture} "
+                                 "with this config.json; the weights do not match the config")
+
+
+def load_weights(model: CausalLM, model_dir: Path, index: dict[str, StoredTensor] | None = None) -> None:
+    """Validate, then copy this rank's part of every needed tensor into ``model`` and pack the weights."""
+    index = checkpoint_index(model_dir) if index is None else index
+    validate_checkpoint(model, index, model_dir)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    needed = model.checkpoint_tensors()
+    for name in needed:
+        by_file[index[name].file].append(name)
+    for path, names in by_file.items():
+        name = None
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in names:
+                    module, spec = needed[name]
+                    module.load_weight(spec.param, spec.shard, f.get_slice(name))
+        except Exception as e:
+            where = f"tensor {name!r}" if name else "header"
+            raise ModelLoadError(f"{path}: cannot read {where}: {e}") from e
+    model.pack_weights()
+
+
+def _accumulate_dtype(runtime: Any) -> torch.dtype:
+    name = getattr(runtime, "accumulate_dtype", None)
+    if name is None:
+        name = getattr(getattr(getattr(runtime, "config", None), "comm", None), "accumulate_dtype", "float32")
+    return name if isinstance(name, torch.dtype) else DTYPES.get(str(name), torch.float32)
+
+
+def load_model(model_dir: str | Path, *, runtime: Any, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+               max_model_len: int | None = None) -> CausalLM:
+    """Load the model in ``model_dir`` for rank ``tp_rank`` of ``tp_size`` on the runtime's device.
+
+    ``max_model_len`` sizes the rotary table (default: the model's
+    ``max_context_len``). Ops are resolved through ``runtime.resolve_ops``.
+    """
+    model_dir = Path(model_dir)
+    config = load_model_config(model_dir)
+    if dtype not in DTYPES.values():
+        raise ModelLoadError(f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}")
+    max_model_len = max_model_len or config.max_context_len
+    config.check_max_model_len(max_model_len)
+    index = checkpoint_index(model_dir)
+    cls = model_class(config)
+    ctx = LayerContext(ops=runtime.resolve_ops(cls.required_ops), device=runtime.device.torch_device,
+                       dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, comm=runtime.comm if tp_size > 1 else None,
+                       accumulate_dtype=_accumulate_dtype(runtime))
+    try:
+        model = cls(config, ctx, max_model_len)
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: cannot split this model over {tp_size} ranks: {e}") from e
+    load_weights(model, model_dir, index)
+    return model.eval()
