@@ -42,6 +42,11 @@ class IncrementalDetokenizer:
         """The final text so far (stable: never shrinks below what was emitted)."""
         return self._text
 
+    @property
+    def num_emitted(self) -> int:
+        """How many characters of :attr:`text` were handed out."""
+        return self._num_emitted
+
     def add_tokens(self, token_ids: list[int]) -> bool:
         """Decode newly generated tokens; True when a stop string ended the text."""
         for token in token_ids:

@@ -1,0 +1,287 @@
+"""``LLMEngine``: the online API — add requests, step, abort — over scheduler, runner and sampler.
+
+Each :meth:`LLMEngine.step` asks the scheduler for a batch, runs it through
+the model runner, records the sampled tokens and returns one
+:class:`RequestOutput` per request that progressed (aborted ones included).
+Requests are validated in :meth:`add_request` before anything is scheduled;
+a bad one is refused alone. The engine is driven from one thread. Plugins
+that implement the observability hooks hear about start, steps, finished
+requests and stop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from kunlun_infer.engine.block_manager import BlockManager
+from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, blocks_for_budget, free_kv_caches
+from kunlun_infer.engine.model_runner import ModelRunner
+from kunlun_infer.engine.outputs import RequestOutput
+from kunlun_infer.engine.params import SamplingParams, validate_prompt
+from kunlun_infer.engine.request_state import RequestState
+from kunlun_infer.engine.sampler import Sampler
+from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
+from kunlun_infer.engine.sequence import Sequence
+from kunlun_infer.engine.setup import (choose_dtype, choose_max_model_len, estimate_activation_bytes, model_dir,
+                                       warm_up)
+from kunlun_infer.errors import ConfigError, EngineStepError, KunlunInferError, RequestError
+
+log = logging.getLogger("kunlun_infer.framework")
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    """Continuous-batching inference over one runtime. Build with :meth:`from_config`."""
+
+    def __init__(self, config: DictConfig, *, runtime: Any = None) -> None:
+        from kunlun_infer.runtime import Runtime
+
+        self.config = config
+        self._owns_runtime = runtime is None
+        self.runtime = Runtime.from_config(config) if runtime is None else runtime
+        self._closed = False
+        self._requests: dict[str, RequestState] = {}
+        self._aborted_outputs: list[RequestOutput] = []
+        self._request_ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._num_steps = 0
+        self._num_finished = 0
+        self._num_generated_tokens = 0
+        self._num_computed_tokens = 0
+        try:
+            self._start()
+        except BaseException:
+            self._release()
+            raise
+
+    @classmethod
+    def from_config(cls, config: DictConfig) -> LLMEngine:
+        """An engine with its own runtime (closed again by :meth:`close`)."""
+        return cls(config)
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start(self) -> None:
+        from kunlun_infer.models import load_model, load_model_config
+
+        cfg, rt = self.config, self.runtime
+        if int(cfg.parallel.tensor_size) != 1:
+            raise ConfigError(f"parallel.tensor_size={cfg.parallel.tensor_size}: this engine runs one device; "
+                              f"use parallel.tensor_size=1")
+        self.model_path = model_dir(cfg.model.path)
+        self.model_config = arch = load_model_config(self.model_path)
+        self.dtype = choose_dtype(str(cfg.model.dtype), getattr(arch, "torch_dtype", None), rt.device)
+        self.max_model_len = choose_max_model_len(cfg.model.max_model_len, arch.max_context_len)
+        arch.check_max_model_len(self.max_model_len)
+        self.tokenizer = self._load_tokenizer()
+        self.eos_token_ids = tuple(arch.eos_token_ids or getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        self.device = rt.device.torch_device
+        model = load_model(self.model_path, runtime=rt, dtype=self.dtype, max_model_len=self.max_model_len)
+        free_after_weights = rt.device.mem_get_info()[0]
+        self.block_size = int(cfg.cache.block_size)
+        layout = KVLayout(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim, self.dtype)
+        sampler = Sampler(torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)))
+        self.runner = ModelRunner(model, device=self.device, block_size=self.block_size, sampler=sampler)
+        budget, chunked = int(cfg.scheduler.max_num_batched_tokens), bool(cfg.scheduler.chunked_prefill)
+        if not chunked and budget < self.max_model_len:
+            log.warning("scheduler.chunked_prefill=false: raising scheduler.max_num_batched_tokens from %d to "
+                        "model.max_model_len=%d so every prompt fits one step", budget, self.max_model_len)
+            budget = self.max_model_len
+        max_num_seqs = int(cfg.scheduler.max_num_seqs)
+        warm_tokens = min(budget, self.max_model_len)
+        warm_up(self.runner, rt.memory, layout, num_tokens=warm_tokens, num_seqs=max_num_seqs)
+        if cfg.cache.num_blocks is not None:
+            num_blocks = int(cfg.cache.num_blocks)
+        else:
+            measured = max(0, free_after_weights - rt.device.mem_get_info()[0])
+            estimated = estimate_activation_bytes(arch, self.dtype, warm_tokens, max_num_seqs)
+            num_blocks = blocks_for_budget(layout, free_bytes=free_after_weights,
+                                           memory_fraction=float(cfg.cache.memory_fraction),
+                                           activation_bytes=max(measured, estimated), max_num_seqs=max_num_seqs,
+                                           max_model_len=self.max_model_len)
+        self.runner.kv_caches = allocate_kv_caches(rt.memory, layout, num_blocks)
+        self.block_manager = BlockManager(num_blocks, self.block_size, bool(cfg.cache.prefix_caching))
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                   chunked_prefill=chunked)
+        self._observe_steps = rt.plugins.has_observers("kunlun_infer_engine_step")
+        rt.plugins.engine_start({
+            "model": str(self.model_path), "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_blocks_total": num_blocks, "block_size": self.block_size, "tensor_size": 1,
+            "plugins": {c: rt.plugin_for(c) for c in ("device", "memory", "ops", "comm", "streams")},
+        })
+        log.info("engine ready: %s (%s), max_model_len=%d, %d KV blocks", self.model_path, self.dtype,
+                 self.max_model_len, num_blocks)
+
+    def _load_tokenizer(self) -> Any:
+        from kunlun_infer.models import load_tokenizer
+
+        folder = self.config.model.tokenizer or self.model_path
+        if self.config.model.tokenizer is None and not (self.model_path / "tokenizer.json").is_file():
+            log.warning("%s has no tokenizer.json: prompts must be token ids and outputs carry no text",
+                        self.model_path)
+            return None
+        return load_tokenizer(folder)
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model_config.vocab_size)
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """``(prompt text or None, token ids)``; ``RequestError`` for a prompt of the wrong kind."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt: this model has no tokenizer.json, so prompts must be lists of "
+                                   "token ids", field="prompt")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                           field="prompt")
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request this engine cannot serve (``RequestError`` naming the field)."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
+        validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                        max_kv_tokens=self.block_manager.num_blocks * self.block_size)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (text or token ids); returns its id. Joins the running batch at the next step."""
+        self._check_open()
+        params = SamplingParams() if params is None else params
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        elif not isinstance(request_id, str) or not request_id or request_id in self._requests:
+            raise RequestError(f"request_id must be a new non-empty string, got {request_id!r}", field="request_id")
+        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, self.eos_token_ids)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self._requests[request_id] = RequestState(seq, text, self.tokenizer, generator)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and free its KV blocks; its final output comes with the next step."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.finish(state.seq, "abort")
+        self._finished(state.output(time.monotonic()), self._aborted_outputs)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running (or an abort is still to be reported)."""
+        return bool(self._requests) or bool(self._aborted_outputs)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; one output per request that progressed (and per request aborted since)."""
+        self._check_open()
+        started = time.monotonic()
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            self._run(batch, started, outputs)
+        self._num_steps += 1
+        if self._observe_steps:
+            self.runtime.plugins.engine_step({
+                "step": self._num_steps, "num_prefill_tokens": batch.num_prefill_tokens,
+                "num_decode_tokens": batch.num_decode_tokens, "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting), "kv_blocks_free": self.block_manager.num_free_blocks,
+                "duration_s": time.monotonic() - started})
+        return outputs
+
+    def _run(self, batch: ScheduledBatch, started: float, outputs: list[RequestOutput]) -> None:
+        states = [self._requests[seq.request_id] for seq in batch.seqs]
+        for state in states:
+            state.mark_scheduled(started)
+        try:
+            result = self.runner.execute(batch, [s.generator for s in states])
+        except Exception as exc:
+            for state in states:
+                self.abort(state.request_id)
+            raise EngineStepError(f"step {self._num_steps + 1} failed ({type(exc).__name__}: {exc}); its "
+                                  f"{len(states)} request(s) were aborted") from exc
+        now = time.monotonic()
+        self._num_computed_tokens += batch.num_tokens
+        self.scheduler.update(batch, result.tokens)
+        for row, token in result.tokens.items():
+            state, seq = states[row], batch.seqs[row]
+            self._num_generated_tokens += 1
+            if state.add_token(token, result.logprobs.get(row), now):
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
+                seq.finish_reason = "stop"
+            output = state.output(now)
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+                self._finished(output, outputs)
+            else:
+                outputs.append(output)
+
+    def _finished(self, output: RequestOutput, outputs: list[RequestOutput]) -> None:
+        self._num_finished += 1
+        outputs.append(output)
+        self.runtime.plugins.request_finished(output)
+
+    # ------------------------------------------------------------------ facts and lifecycle
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the KV cache, the queues and the work done so far."""
+        bm, sched = self.block_manager, self.scheduler
+        return {
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_cached": bm.num_cached_blocks, "block_size": bm.block_size,
+            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+            "num_preemptions": sched.num_preemptions, "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
+            "prefix_cache_query_tokens": sched.prefix_cache_query_tokens, "num_steps": self._num_steps,
+            "num_requests_finished": self._num_finished, "num_generated_tokens": self._num_generated_tokens,
+            "num_computed_tokens": self._num_computed_tokens, "max_model_len": self.max_model_len,
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KunlunInferError("the engine is closed; create a new one")
+
+    def close(self) -> None:
+        """Abort what is left, free the KV cache and, if the engine made it, close the runtime. Idempotent."""
+        if self._closed:
+            return
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self._aborted_outputs.clear()
+        try:
+            self.runtime.plugins.engine_stop(self.stats())
+        finally:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        runner = getattr(self, "runner", None)
+        try:
+            if runner is not None and runner.kv_caches:
+                free_kv_caches(self.runtime.memory, runner.kv_caches)
+        finally:
+            self._closed = True
+            if self._owns_runtime:
+                self.runtime.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

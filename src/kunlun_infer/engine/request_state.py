@@ -1,0 +1,81 @@
+"""The engine's record of one request: its sequence, text, logprobs, timings and generator.
+
+The scheduler only sees the :class:`Sequence`; everything a user gets back
+(streamed text, logprobs, metrics) is kept here and turned into a fresh
+:class:`RequestOutput` snapshot whenever the request progresses.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kunlun_infer.engine.detokenizer import Decoder, IncrementalDetokenizer
+from kunlun_infer.engine.outputs import RequestMetrics, RequestOutput
+from kunlun_infer.engine.sequence import Sequence
+
+
+class RequestState:
+    """Everything the engine tracks about one request besides its place in the queues."""
+
+    def __init__(self, seq: Sequence, prompt: str | None, decoder: Decoder | None,
+                 generator: torch.Generator | None) -> None:
+        self.seq = seq
+        self.prompt = prompt
+        self.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
+        self.generator = generator
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.detokenizer = (IncrementalDetokenizer(decoder, seq.token_ids, tuple(seq.params.stop))
+                            if decoder is not None else None)
+        self.logprobs: list[dict[int, float]] | None = [] if seq.params.logprobs is not None else None
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    def mark_scheduled(self, now: float) -> None:
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = now
+
+    def add_token(self, token_id: int, logprobs: dict[int, float] | None, now: float) -> bool:
+        """Record a token the sequence just appended; True if a stop string now ends the text."""
+        m = self.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.num_generated_tokens += 1
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.detokenizer is None:
+            return False
+        return self.detokenizer.add_tokens([token_id])
+
+    def output(self, now: float) -> RequestOutput:
+        """A snapshot for the user; on the final one the held-back text is released."""
+        seq = self.seq
+        finished = seq.is_finished
+        if finished and self.metrics.finished_time is None:
+            self.metrics.finished_time = now
+        delta, text = "", ""
+        if self.detokenizer is not None:
+            delta = self.detokenizer.emit(final=finished)
+            text = self.detokenizer.text[:self.detokenizer.num_emitted]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=seq.generated_token_ids,
+            text=text,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,  # type: ignore[arg-type]
+            metrics=_copy_metrics(self.metrics),
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            delta_text=delta,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+
+def _copy_metrics(m: RequestMetrics) -> RequestMetrics:
+    return RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
+                          m.finished_time, m.num_generated_tokens)

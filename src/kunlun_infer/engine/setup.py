@@ -1,0 +1,100 @@
+"""Start-up decisions the engine makes from the config: model folder, dtype, length, KV size.
+
+Each function answers one question and names the config key at fault when
+the answer is "no". The KV cache is sized after a warm-up step: the step's
+activations are measured where the device reports them (free memory drops
+and stays down with a caching allocator) and estimated from the model's
+shapes where it does not, and the larger figure is kept out of the budget.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kunlun_infer.capabilities import Device, MemoryAllocator
+from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, free_kv_caches
+from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.engine.scheduler import ScheduledBatch
+from kunlun_infer.engine.sequence import Sequence
+from kunlun_infer.errors import ConfigError, ModelLoadError
+
+log = logging.getLogger("kunlun_infer.framework")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_model_dir() -> Path:
+    """The model shipped inside the package."""
+    return Path(str(importlib.resources.files("kunlun_infer").joinpath("default_model")))
+
+
+def model_dir(path: str | None) -> Path:
+    """The model folder ``model.path`` names, or the embedded default model when it is ``None``."""
+    folder = default_model_dir() if path is None else Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        what = "the embedded default model" if path is None else f"model.path={path}"
+        raise ModelLoadError(f"{what}: no config.json in {folder}; point model.path at a Hugging Face "
+                             f"model folder (config.json, *.safetensors, tokenizer.json)")
+    return folder
+
+
+def choose_dtype(requested: str, checkpoint_dtype: Any, device: Device) -> torch.dtype:
+    """``model.dtype``: an explicit dtype the device supports, or ``auto`` = the checkpoint's if supported."""
+    supported = device.supported_dtypes()
+    names = ", ".join(sorted(n for n, d in DTYPES.items() if d in supported))
+    if requested == "auto":
+        name = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype is not None else "float32"
+        dtype = DTYPES.get(name, torch.float32)
+        return dtype if dtype in supported else torch.float32
+    if requested not in DTYPES:
+        raise ConfigError(f"model.dtype={requested} is not one of auto, {', '.join(DTYPES)}")
+    if DTYPES[requested] not in supported:
+        raise ConfigError(f"model.dtype={requested} is not supported by device '{device.name}'; "
+                          f"supported: {names}")
+    return DTYPES[requested]
+
+
+def choose_max_model_len(requested: int | None, max_context_len: int) -> int:
+    """``model.max_model_len``, at most the context the model serves (default: all of it)."""
+    if requested is None:
+        return max_context_len
+    if not 1 <= requested <= max_context_len:
+        raise ConfigError(f"model.max_model_len={requested} must be in [1, {max_context_len}] "
+                          f"(the longest context this model serves)")
+    return requested
+
+
+def estimate_activation_bytes(arch: Any, dtype: torch.dtype, num_tokens: int, num_seqs: int) -> int:
+    """A generous estimate of one step's activation peak from the model's shapes."""
+    element = torch.empty((), dtype=dtype).element_size()
+    heads = arch.num_attention_heads + 2 * arch.num_key_value_heads
+    per_token = (6 * arch.hidden_size + 3 * arch.intermediate_size + 2 * heads * arch.head_dim) * element
+    attention_scores = 3 * arch.num_attention_heads * num_tokens * num_tokens * 4  # float32 scores, probs
+    logits = 4 * num_seqs * arch.vocab_size * 4  # logits, probabilities, sort, logprobs
+    return num_tokens * per_token + attention_scores + logits
+
+
+def warm_up(runner: Any, memory: MemoryAllocator, layout: KVLayout, *, num_tokens: int, num_seqs: int) -> None:
+    """Run one full-size step (a long prompt and short ones, all sampled) on a scratch KV cache."""
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    lengths = [num_tokens - (num_seqs - 1)] + [1] * (num_seqs - 1)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    seqs, next_block = [], 0
+    for i, n in enumerate(lengths):
+        seq = Sequence(-1 - i, f"warm-up-{i}", [0] * n, params)
+        blocks = -(-n // layout.block_size)
+        seq.block_table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        seqs.append(seq)
+    scratch = allocate_kv_caches(memory, layout, next_block)
+    kept, runner.kv_caches = runner.kv_caches, scratch
+    try:
+        runner.execute(ScheduledBatch(seqs, lengths, num_prefill_tokens=num_tokens), [None] * len(seqs))
+    finally:
+        runner.kv_caches = kept
+        free_kv_caches(memory, scratch)
