@@ -19,11 +19,12 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from kunlun_infer.config import KunlunConfig
+from kunlun_infer.config import GROUP_SCHEMAS, KunlunConfig
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.runtime.config_checks import check_composed, refuse_target_overrides, translate_error
 from kunlun_infer.runtime.log import runtime_log
-from kunlun_infer.runtime.options import CONF_PACKAGE, option_node
+from kunlun_infer.hookspecs import CAPABILITIES, ConfigOption
+from kunlun_infer.runtime.options import CONF_PACKAGE, option_node, packaged_options
 
 #: name under which the root schema is stored; first entry of ``conf/config.yaml``'s defaults
 SCHEMA_NAME = "_kunlun_schema"
@@ -54,10 +55,10 @@ class _StoredEntries:
         repo = ConfigStore.instance().repo
         if group is not None and group not in repo:
             self._created_groups.append(group)
-        ConfigStore.instance().store(name=name, node=node, group=group, provider=provider)
-        folder = repo if group is None else repo[group]
         key = f"{name}.yaml"
-        self._saved.append((folder, key, folder.get(key)))
+        previous = (repo if group is None else repo.get(group, {})).get(key)
+        ConfigStore.instance().store(name=name, node=node, group=group, provider=provider)
+        self._saved.append((repo if group is None else repo[group], key, previous))
 
     def restore(self) -> None:
         repo = ConfigStore.instance().repo
@@ -90,7 +91,7 @@ def compose_config(overrides: Sequence[str] = (), *, plugin_manager: Any = None)
         stored = _StoredEntries()
         try:
             stored.store(name=SCHEMA_NAME, node=KunlunConfig)
-            for plugin, option in manager.config_options():
+            for plugin, option in _options(manager):
                 stored.store(group=option.group, name=option.name, node=option_node(option),
                              provider=f"kunlun_infer plugin {plugin}")
             cfg = _loader().load_configuration(config_name="config", overrides=overrides, run_mode=_run_mode())
@@ -105,6 +106,24 @@ def compose_config(overrides: Sequence[str] = (), *, plugin_manager: Any = None)
     OmegaConf.set_struct(cfg, True)
     runtime_log.debug("composed config with overrides %s", overrides)
     return cfg
+
+
+def _options(manager: Any) -> list[tuple[str, ConfigOption]]:
+    """The plugins' own options, plus a plain one for each factory that brought none.
+
+    A plugin that registers ``memory`` factory ``mypool`` without contributing
+    a config option still composes as ``memory=mypool`` (with the group's
+    schema and no keys of its own).
+    """
+    options = list(manager.config_options())
+    have = {(o.group, o.name) for _, o in options}
+    for capability in CAPABILITIES:
+        packaged = set(packaged_options(capability))
+        for name in manager.options(capability):
+            if (capability, name) not in have and name not in packaged:
+                plugin = manager.factory(capability, name)[0]
+                options.append((plugin, ConfigOption(capability, name, GROUP_SCHEMAS[capability](name=name))))
+    return options
 
 
 def _run_mode() -> Any:
