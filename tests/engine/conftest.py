@@ -1,63 +1,13 @@
-"""Tiny random-weight Hugging Face models (fp32) saved as safetensors, and engines over them.
-
-The models are built with ``transformers`` (the correctness oracle) and kept
-tiny — hidden 64, 2 layers — so a whole engine test takes well under a
-second. Their tokenizer is byte-level (one token per byte plus an end-of-text
-token), so random generations exercise multi-byte streaming.
-"""
+"""Fixtures for engine tests: cached tiny model folders, their transformers twins, engines that close."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-VOCAB_SIZE = 257  # 256 bytes + <|endoftext|>
-EOS_ID = 256
-MAX_POSITIONS = 1024
-
-
-def build_byte_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-
-
-def build_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Save a random ``arch`` (llama | qwen2 | qwen3) model with a byte tokenizer into ``folder``."""
-    import transformers as tf
-
-    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
-    config_cls, model_cls = classes[arch]
-    kwargs = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
-                  eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-                  initializer_range=0.2, rms_norm_eps=1e-6)
-    if arch == "qwen3":
-        kwargs["head_dim"] = 16
-    kwargs.update(overrides)
-    config = config_cls(**kwargs)
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
-    if arch == "qwen2":  # random qkv biases, so a dropped bias would show
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.2)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    build_byte_tokenizer(folder)
-    return folder
+from tests.engine.tiny_models import build_tiny_model, engine_overrides
 
 
 @pytest.fixture(autouse=True)
@@ -97,14 +47,6 @@ def hf_model():
     return get
 
 
-def engine_overrides(**keys) -> list[str]:
-    """Hydra overrides for a small, fast engine; ``keys`` like ``cache__num_blocks=8`` override them."""
-    base = {"model.max_model_len": 512, "scheduler.max_num_seqs": 16, "scheduler.max_num_batched_tokens": 256,
-            "cache.block_size": 16}
-    base.update({k.replace("__", "."): v for k, v in keys.items()})
-    return [f"{k}={'null' if v is None else v}" for k, v in base.items()]
-
-
 @pytest.fixture
 def make_llm():
     """``make_llm(folder, **keys) -> LLM``; every LLM made is closed after the test."""
@@ -120,11 +62,3 @@ def make_llm():
     yield make
     for llm in made:
         llm.close()
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation of one unpadded prompt (stops at EOS like the engine)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=EOS_ID)
-    return out[0, len(prompt):].tolist()

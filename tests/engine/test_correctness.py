@@ -10,7 +10,7 @@ with a KV cache so small that sequences are preempted and recomputed.
 import pytest
 import torch
 
-from conftest import hf_greedy
+from tests.engine.tiny_models import hf_greedy
 from kunlun_infer import SamplingParams
 
 ARCHS = ["llama", "qwen2", "qwen3"]
