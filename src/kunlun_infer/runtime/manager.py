@@ -160,7 +160,7 @@ class PluginManager:
         plugin when it does not fit; nothing of it stays registered then.
         """
         label = entry_point or getattr(plugin, "__name__", type(plugin).__name__)
-        reg_name = f"{source}:{label}"
+        reg_name = f"{source}:{label}" if source != "api" else f"api:{label}@{id(plugin):x}"
         try:
             self._pm.register(plugin, name=reg_name)
         except Exception as exc:
