@@ -83,9 +83,13 @@ class CudaDevice(Device):
                 f"(indices 0..{count - 1}); set device.index or run fewer ranks per host",
                 plugin=self.name, hook="Device.open", layer="hardware")
 
+    def prepare(self) -> None:
+        """Work before the first open touches the device (a subclass sets up its vendor stack here)."""
+
     def open(self) -> None:
         with self._lock:
             if self._opens == 0:
+                self.prepare()
                 self.check_visible()
                 self.api.set_device(self.index)
                 torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
