@@ -1,0 +1,35 @@
+"""The conformance suite on the built-in CPU plugins (what CI runs for them).
+
+The suite's tests are imported as they are (a third-party plugin's own test
+run can do the same); then the options the default config does not choose.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kunlun_infer.testing import build_runtime, check_collectives, check_memory, check_ops, check_streams
+from kunlun_infer.testing.suite import *  # noqa: F401,F403 - the suite, on the built-in plugins
+
+
+@pytest.mark.parametrize("memory", ["caching", "simple"])
+def test_memory_options_conform(memory):
+    with build_runtime([f"memory={memory}"]) as rt:
+        check_memory(rt.memory, rt.device)
+
+
+def test_torch_ops_cover_and_conform_in_every_dtype():
+    with build_runtime(["ops=torch"]) as rt:
+        checked = check_ops(rt.ops, rt.device)
+    assert {op for op, _ in checked} >= {"rms_norm", "paged_attention", "linear", "store_kv"}
+    assert len({dtype for _, dtype in checked}) == 3
+
+
+def test_sync_streams_conform():
+    with build_runtime(["streams=sync"]) as rt:
+        check_streams(rt.streams)
+        assert not rt.streams.overlaps
+
+
+def test_gloo_collectives_exact_across_two_processes():
+    check_collectives(["comm=gloo"], world_size=2)
