@@ -79,6 +79,11 @@ def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
     target.copy_(loaded.to(dtype=target.dtype))
 
 
+def shares_storage(packed: Any, weight: torch.Tensor) -> bool:
+    """True when a packed weight is the loaded weight itself (no second copy to free)."""
+    return isinstance(packed, torch.Tensor) and packed.data_ptr() == weight.data_ptr()
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     """``numerator / denominator`` when exact, else a ``ValueError`` naming ``what``."""
     if numerator % denominator:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kunlun_infer.layers.context import LayerContext, WeightSpec, copy_weight, read_part
+from kunlun_infer.layers.context import LayerContext, WeightSpec, copy_weight, read_part, shares_storage
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -61,8 +61,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def pack_weights(self) -> None:
         """Pack the (possibly shared) table once for ``ops.linear``; drop an own copy if repacked."""
-        self.packed_weight = self.ctx.ops.pack_linear_weight(self.weight.data)
-        if not self.tied and self.packed_weight is not self.weight.data:
+        self.packed_weight = self.ctx.ops.pack_linear_weight(self.weight)
+        if not self.tied and not shares_storage(self.packed_weight, self.weight):
             self.weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

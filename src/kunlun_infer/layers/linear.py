@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kunlun_infer.layers.context import LayerContext, WeightSpec, copy_weight, divide, read_part
+from kunlun_infer.layers.context import LayerContext, WeightSpec, copy_weight, divide, read_part, shares_storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +74,8 @@ class LinearBase(nn.Module):
 
     def pack_weights(self) -> None:
         """Hand the loaded weight to ``ops.pack_linear_weight`` once; drop the original if repacked."""
-        self.packed_weight = self.ctx.ops.pack_linear_weight(self.weight.data)
-        if self.packed_weight is not self.weight.data:
+        self.packed_weight = self.ctx.ops.pack_linear_weight(self.weight)
+        if not shares_storage(self.packed_weight, self.weight):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

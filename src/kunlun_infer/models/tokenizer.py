@@ -1,12 +1,13 @@
 """Text to token ids and back, with the ``tokenizers`` library and a model folder's tokenizer files.
 
-``tokenizer.json`` holds the pipeline; ``tokenizer_config.json`` (optional)
-names the special tokens and whether a BOS/EOS token is added. These are read
-the way ``transformers``' tokenizers-backed tokenizer reads them, so that
-``encode`` gives the ids ``AutoTokenizer(text)["input_ids"]`` gives for plain
-text: named special tokens are registered as special, and when the config says
-``add_bos_token``/``add_eos_token`` (or the pipeline has no post-processor)
-the post-processor is rebuilt from those flags.
+``tokenizer.json`` holds the whole pipeline, including the post-processor that
+adds a BOS (or EOS) token; ``tokenizer_config.json`` (optional) names the
+special tokens. Both are read the way ``transformers``' tokenizers-backed
+tokenizer reads them, so that ``encode`` gives the ids
+``AutoTokenizer(text)["input_ids"]`` gives for plain text: named special tokens
+the pipeline does not know yet are registered as special tokens, and — as in
+``transformers`` 5 — ``add_bos_token``/``add_eos_token`` in the config do not
+override the post-processor of ``tokenizer.json``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken
 
 from kunlun_infer.errors import ModelLoadError
 from kunlun_infer.models.config import read_json
@@ -53,20 +54,9 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token else None
         eos_id = backend.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            self._rebuild_post_processor(bool(config.get("add_bos_token")) and self.bos_token is not None,
-                                         bool(config.get("add_eos_token")) and eos_id is not None)
         self.chat_template: str | None = config.get("chat_template")
         self._clean_up_spaces = (bool(config.get("clean_up_tokenization_spaces"))
                                  and type(backend.model).__name__ != "BPE")
-
-    def _rebuild_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        bos, eos = self.bos_token, self.eos_token
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-        special = ([(bos, self.bos_token_id)] if add_bos else []) + ([(eos, self.eos_token_ids[0])] if add_eos else [])
-        self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair,
-                                                                    special_tokens=special)
 
     @property
     def vocab_size(self) -> int:
