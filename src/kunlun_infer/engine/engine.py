@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from kunlun_infer.engine.block_manager import BlockManager
-from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, blocks_for_budget, free_kv_caches
+from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, allocate_kv_caches, free_kv_caches, size_kv_cache
 from kunlun_infer.engine.model_runner import ModelRunner
 from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.engine.params import SamplingParams, validate_prompt
@@ -28,8 +28,7 @@ from kunlun_infer.engine.request_state import RequestState
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.sequence import Sequence
-from kunlun_infer.engine.setup import (choose_dtype, choose_max_model_len, estimate_activation_bytes, model_dir,
-                                       warm_up)
+from kunlun_infer.engine.setup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
 from kunlun_infer.errors import ConfigError, EngineStepError, KunlunInferError, RequestError
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -83,8 +82,8 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = tuple(arch.eos_token_ids or getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.device = rt.device.torch_device
+        free_before_weights = rt.device.mem_get_info()[0]
         model = load_model(self.model_path, runtime=rt, dtype=self.dtype, max_model_len=self.max_model_len)
-        free_after_weights = rt.device.mem_get_info()[0]
         self.block_size = int(cfg.cache.block_size)
         layout = KVLayout(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim, self.dtype)
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)))
@@ -96,16 +95,18 @@ class LLMEngine:
             budget = self.max_model_len
         max_num_seqs = int(cfg.scheduler.max_num_seqs)
         warm_tokens = min(budget, self.max_model_len)
-        warm_up(self.runner, rt.memory, layout, num_tokens=warm_tokens, num_seqs=max_num_seqs)
+        activation_bytes = measure_activation_bytes(self.runner, rt.device, rt.memory, layout, arch, self.dtype,
+                                                    num_tokens=warm_tokens, num_seqs=max_num_seqs)
+        #: how the KV cache was sized from memory (``None`` when ``cache.num_blocks`` fixes it)
+        self.kv_budget: KVBudget | None = None
         if cfg.cache.num_blocks is not None:
             num_blocks = int(cfg.cache.num_blocks)
         else:
-            measured = max(0, free_after_weights - rt.device.mem_get_info()[0])
-            estimated = estimate_activation_bytes(arch, self.dtype, warm_tokens, max_num_seqs)
-            num_blocks = blocks_for_budget(layout, free_bytes=free_after_weights,
-                                           memory_fraction=float(cfg.cache.memory_fraction),
-                                           activation_bytes=max(measured, estimated), max_num_seqs=max_num_seqs,
-                                           max_model_len=self.max_model_len)
+            self.kv_budget = size_kv_cache(
+                layout, device_memory=free_before_weights, memory_fraction=float(cfg.cache.memory_fraction),
+                weight_bytes=model.weight_nbytes(), activation_bytes=activation_bytes,
+                comm_bytes=rt.comm.buffer_bytes(), max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+            num_blocks = self.kv_budget.num_blocks
         self.runner.kv_caches = allocate_kv_caches(rt.memory, layout, num_blocks)
         self.block_manager = BlockManager(num_blocks, self.block_size, bool(cfg.cache.prefix_caching))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

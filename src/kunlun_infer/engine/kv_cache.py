@@ -1,9 +1,10 @@
 """The paged KV cache's memory: how many blocks, and the per-layer K/V tensors.
 
-``cache.num_blocks`` fixes the count. Otherwise the cache gets
-``cache.memory_fraction`` of the device memory free after the weights were
-loaded, minus the activation peak of a warm-up step, and never more blocks
-than the configured concurrency can fill (``max_num_seqs`` sequences of
+``cache.num_blocks`` fixes the count. Otherwise :func:`size_kv_cache` gives
+the cache what remains of ``cache.memory_fraction`` of the device memory (free
+when the engine starts) after the weights, the activation peak of a warm-up
+step and the comm plugin's buffers, and never more blocks than the
+configured concurrency can fill (``max_num_seqs`` sequences of
 ``max_model_len`` tokens): on a host whose device memory is the machine's
 RAM, the default leaves the machine usable. Tensors come from the runtime's
 memory plugin and are zeroed, so no kernel ever reads garbage.
@@ -40,27 +41,97 @@ class KVLayout:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
 
+@dataclasses.dataclass(frozen=True)
+class KVBudget:
+    """The memory ledger of one device and the KV blocks it leaves room for.
+
+    ``memory_fraction × device_memory`` is what the engine may use; weights,
+    the activation peak and the comm plugin's buffers come out of it first,
+    and what remains becomes whole KV blocks — never more than the configured
+    concurrency can fill (``max_num_seqs`` sequences of ``max_model_len``
+    tokens). ``kunlun-infer plan`` and the engine both size the cache with
+    :func:`size_kv_cache`, so the plan is what the engine allocates.
+    """
+
+    device_memory: int
+    memory_fraction: float
+    weight_bytes: int
+    activation_bytes: int
+    comm_bytes: int
+    bytes_per_block: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+
+    @property
+    def usable_bytes(self) -> int:
+        """``memory_fraction`` of the device memory: what the engine may use."""
+        return int(self.memory_fraction * self.device_memory)
+
+    @property
+    def reserve_bytes(self) -> int:
+        """The device memory left alone (``1 - memory_fraction`` of it)."""
+        return self.device_memory - self.usable_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes left for the KV cache after weights, activations and comm buffers (may be negative)."""
+        return self.usable_bytes - self.weight_bytes - self.activation_bytes - self.comm_bytes
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Blocks one sequence of ``max_model_len`` tokens needs."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def blocks_by_memory(self) -> int:
+        return max(0, self.kv_bytes // self.bytes_per_block)
+
+    @property
+    def blocks_by_concurrency(self) -> int:
+        return self.max_num_seqs * self.blocks_per_seq
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the engine allocates: what memory allows, capped by what concurrency can use."""
+        return min(self.blocks_by_memory, self.blocks_by_concurrency)
+
+    @property
+    def max_concurrency(self) -> int:
+        """Sequences of ``max_model_len`` tokens the memory holds at once."""
+        return self.blocks_by_memory // self.blocks_per_seq
+
+
+def size_kv_cache(layout: KVLayout, *, device_memory: int, memory_fraction: float, weight_bytes: int,
+                  activation_bytes: int, comm_bytes: int = 0, max_num_seqs: int, max_model_len: int) -> KVBudget:
+    """The :class:`KVBudget` of a device; raises when not even one block fits."""
+    budget = KVBudget(device_memory=int(device_memory), memory_fraction=float(memory_fraction),
+                      weight_bytes=int(weight_bytes), activation_bytes=int(activation_bytes),
+                      comm_bytes=int(comm_bytes), bytes_per_block=layout.bytes_per_block,
+                      block_size=layout.block_size, max_num_seqs=int(max_num_seqs), max_model_len=int(max_model_len))
+    if budget.num_blocks < 1:
+        raise DeviceOutOfMemoryError(
+            f"no room for the KV cache: cache.memory_fraction={memory_fraction} of {device_memory} bytes, "
+            f"minus {weight_bytes} bytes of weights, {activation_bytes} of activations and {comm_bytes} of "
+            f"comm buffers, leaves less than one block ({layout.bytes_per_block} bytes); raise "
+            f"cache.memory_fraction, lower scheduler.max_num_batched_tokens, or set cache.num_blocks "
+            f"(kunlun-infer plan shows the breakdown)",
+            requested=layout.bytes_per_block + weight_bytes + activation_bytes + comm_bytes, free=device_memory)
+    if budget.num_blocks < budget.blocks_per_seq:
+        log.warning("KV cache holds %d tokens, fewer than model.max_model_len=%d; longer requests are refused",
+                    budget.num_blocks * layout.block_size, max_model_len)
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB; memory allows %d, concurrency uses at most %d)",
+             budget.num_blocks, layout.block_size, budget.num_blocks * layout.bytes_per_block / 2**20,
+             budget.blocks_by_memory, budget.blocks_by_concurrency)
+    return budget
+
+
 def blocks_for_budget(layout: KVLayout, *, free_bytes: int, memory_fraction: float, activation_bytes: int,
                       max_num_seqs: int, max_model_len: int) -> int:
-    """Number of blocks for ``memory_fraction`` of ``free_bytes`` after activations, capped by concurrency."""
-    budget = int(memory_fraction * free_bytes) - activation_bytes
-    by_memory = budget // layout.bytes_per_block
-    blocks_per_seq = -(-max_model_len // layout.block_size)
-    by_concurrency = max_num_seqs * blocks_per_seq
-    num_blocks = min(by_memory, by_concurrency)
-    if num_blocks < 1:
-        raise DeviceOutOfMemoryError(
-            f"no room for the KV cache: cache.memory_fraction={memory_fraction} of {free_bytes} free bytes, "
-            f"minus {activation_bytes} bytes of activations, leaves less than one block "
-            f"({layout.bytes_per_block} bytes); raise cache.memory_fraction, lower "
-            f"scheduler.max_num_batched_tokens, or set cache.num_blocks",
-            requested=layout.bytes_per_block + activation_bytes, free=free_bytes)
-    if num_blocks < blocks_per_seq:
-        log.warning("KV cache holds %d tokens, fewer than model.max_model_len=%d; longer requests are refused",
-                    num_blocks * layout.block_size, max_model_len)
-    log.info("KV cache: %d blocks of %d tokens (%.1f MiB; memory allows %d, concurrency uses at most %d)",
-             num_blocks, layout.block_size, num_blocks * layout.bytes_per_block / 2**20, by_memory, by_concurrency)
-    return num_blocks
+    """Blocks for ``memory_fraction`` of ``free_bytes`` after activations (weights already loaded)."""
+    return size_kv_cache(layout, device_memory=free_bytes, memory_fraction=memory_fraction, weight_bytes=0,
+                         activation_bytes=activation_bytes, max_num_seqs=max_num_seqs,
+                         max_model_len=max_model_len).num_blocks
 
 
 def allocate_kv_caches(memory: MemoryAllocator, layout: KVLayout, num_blocks: int) -> KVCaches:

@@ -79,6 +79,16 @@ def estimate_activation_bytes(arch: Any, dtype: torch.dtype, num_tokens: int, nu
     return num_tokens * per_token + attention_scores + logits
 
 
+def measure_activation_bytes(runner: Any, device: Device, memory: MemoryAllocator, layout: KVLayout, arch: Any,
+                             dtype: torch.dtype, *, num_tokens: int, num_seqs: int) -> int:
+    """Run :func:`warm_up` and return its activation peak: the drop in free device memory the step
+    leaves behind, or the estimate from the model's shapes when that is larger (or not reported)."""
+    free_before = device.mem_get_info()[0]
+    warm_up(runner, memory, layout, num_tokens=num_tokens, num_seqs=num_seqs)
+    measured = max(0, free_before - device.mem_get_info()[0])
+    return max(measured, estimate_activation_bytes(arch, dtype, num_tokens, num_seqs))
+
+
 def warm_up(runner: Any, memory: MemoryAllocator, layout: KVLayout, *, num_tokens: int, num_seqs: int) -> None:
     """Run one full-size step (a long prompt and short ones, all sampled) on a scratch KV cache."""
     num_seqs = max(1, min(num_seqs, num_tokens))
