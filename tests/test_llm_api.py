@@ -91,3 +91,11 @@ def test_model_without_tokenizer_takes_token_ids_only(folder, tmp_path):
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ki.ModelLoadError, match="config.json"):
         ki.LLM(model=str(tmp_path / "nowhere"), overrides=engine_overrides())
+
+
+def test_scheduler_presets_reach_the_engine(folder):
+    with ki.LLM(model=str(folder), overrides=["scheduler=latency", "model.max_model_len=256"]) as llm:
+        scheduler = llm.engine.scheduler
+        assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (4, 512)
+        assert llm.engine.stats()["kv_blocks_total"] == 4 * 256 // 16
+        assert len(llm.generate([[1, 2]] * 6, GREEDY, use_tqdm=False)) == 6
