@@ -8,11 +8,12 @@ config errors, 1 for anything else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TextIO
 
 from kunlun_infer.errors import ConfigError, KunlunInferError
@@ -55,8 +56,9 @@ def _overview() -> str:
     return "\n".join(lines)
 
 
-def _configure_logging(level: str | None, debug: bool, stream: TextIO) -> None:
-    """The CLI is an application, so it may set up logging: one handler on stderr."""
+@contextlib.contextmanager
+def _logging_to(stream: TextIO, level: str | None, debug: bool) -> Iterator[None]:
+    """The CLI is an application, so it sets up logging: one handler on stderr, removed afterwards."""
     name = "DEBUG" if debug else (level or "WARNING").upper()
     numeric = logging.getLevelName(name)
     if not isinstance(numeric, int):
@@ -64,8 +66,14 @@ def _configure_logging(level: str | None, debug: bool, stream: TextIO) -> None:
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
+    previous = root.level
     root.addHandler(handler)
     root.setLevel(numeric)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(previous)
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
@@ -89,11 +97,11 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         if opts["help"]:
             print(command.usage(), file=stdout)
             return 0
-        _configure_logging(opts["log_level"], bool(opts["debug"]), stderr)
         params, flags, overrides = parse_tokens(command, rest[1:])
         invocation = Invocation(command=command, overrides=overrides, params=params, flags=flags,
                                 stdout=stdout, stderr=stderr)
-        return int(command.run(invocation) or 0)
+        with _logging_to(stderr, opts["log_level"], bool(opts["debug"])):
+            return int(command.run(invocation) or 0)
     except KunlunInferError as exc:
         if opts["debug"]:
             traceback.print_exc(file=stderr)
