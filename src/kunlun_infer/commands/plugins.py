@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation
+from kunlun_infer.commands.coverage import coverage_table, ops_coverage
 from kunlun_infer.hookspecs import CAPABILITIES, HOOK_API_VERSION_STR
 
 
@@ -22,6 +23,7 @@ def matrix(manager: Any) -> dict[str, Any]:
         "capabilities": {c: {opt: manager.factory(c, opt)[0] for opt in manager.options(c)} for c in CAPABILITIES},
         "plugins": manager.describe(),
         "skipped": [{"name": name, "reason": reason} for name, reason in manager.skipped],
+        "ops_coverage": ops_coverage(manager),
     }
 
 
@@ -52,6 +54,13 @@ def run(inv: Invocation) -> int:
             inv.print(f"  {p['name']}: {p['error']}")
     for s in data["skipped"]:
         inv.print(f"\nskipped: {s['name']} ({s['reason']})")
+    coverage = data["ops_coverage"]
+    if coverage:
+        inv.print("\nop coverage (the plugin serving each op; 'reference' = plain-torch fallback):")
+        inv.print(_table(coverage_table(coverage)))
+        for option, entry in coverage.items():
+            if entry["error"]:
+                inv.print(f"  ops={option}: coverage unknown: {entry['error']}")
     return 0
 
 

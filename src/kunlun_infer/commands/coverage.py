@@ -1,0 +1,52 @@
+"""Op coverage of every registered ops option: where each op of the table would come from.
+
+For each ``ops=<option>`` the provider is built (with its composed config
+node and no device: an ops factory must not need hardware to say what it
+covers) and the op table is resolved exactly as a run resolves it, so the
+answer per op is the plugin that serves it or ``reference`` for a fallback —
+including the rule that ``pack_linear_weight`` and ``linear`` come from one
+source. A provider that cannot be built is reported with its error, never a
+crash.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kunlun_infer.ops import OP_SPECS
+
+FALLBACK = "reference"
+
+
+def ops_coverage(manager: Any) -> dict[str, dict[str, Any]]:
+    """``{option: {"plugin", "sources": {op: plugin | "reference"}, "fallbacks": [...], "error"}}``."""
+    from kunlun_infer.runtime import compose_config
+    from kunlun_infer.runtime.optable import resolve
+
+    coverage: dict[str, dict[str, Any]] = {}
+    for option in manager.options("ops"):
+        plugin, factory = manager.factory("ops", option)
+        entry: dict[str, Any] = {"plugin": plugin, "sources": {}, "fallbacks": [], "error": None}
+        try:
+            node = compose_config([f"ops={option}"], plugin_manager=manager).ops
+            provider = factory(config=node, device=None)
+            table = resolve(list(OP_SPECS), provider=provider, plugin=plugin, strict=False)
+            entry["sources"] = {op: table.source(op) for op in OP_SPECS}
+            entry["fallbacks"] = table.fallbacks
+        except Exception as exc:  # noqa: BLE001 - one provider's failure is a cell of the report
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        coverage[option] = entry
+    return coverage
+
+
+def coverage_table(coverage: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """Rows ``[op, source per option…]`` with a header, for a text table."""
+    options = list(coverage)
+    rows = [["OP", *(f"ops={o}" for o in options)]]
+    for op in OP_SPECS:
+        row = [op]
+        for option in options:
+            entry = coverage[option]
+            row.append("?" if entry["error"] else entry["sources"].get(op, FALLBACK))
+        rows.append(row)
+    return rows

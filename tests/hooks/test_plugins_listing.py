@@ -1,0 +1,53 @@
+"""``kunlun-infer plugins`` lists the installed hooks packages and where each op comes from."""
+
+import importlib.util
+import io
+import json
+
+import pytest
+
+from tests.hooks.conftest import require_package
+
+require_package("kunlun_infer_simchip", "kunlun-infer-simchip")
+
+from kunlun_infer.cli import main  # noqa: E402
+
+
+def run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), stdout=out, stderr=err)
+    assert code == 0, err.getvalue()
+    return out.getvalue()
+
+
+def test_table_lists_simchip_and_its_op_coverage_gaps():
+    text = run("plugins")
+    row = next(line for line in text.splitlines() if line.startswith("simchip "))
+    assert "kunlun-infer-simchip 0.1.0" in row and "device=simchip" in row and row.rstrip().endswith("ok")
+    coverage = text.split("op coverage")[1].splitlines()
+    header = coverage[1].split()
+    column = header.index("ops=simchip")
+    sources = {line.split()[0]: line.split()[column] for line in coverage[2:] if line.strip()}
+    assert sources["paged_attention"] == "reference" and sources["rotary_embedding"] == "reference"
+    assert sources["rms_norm"] == "simchip" and sources["linear"] == "simchip"
+
+
+def test_json_matrix_carries_coverage_per_ops_option():
+    data = json.loads(run("plugins", "--json"))
+    simchip = data["ops_coverage"]["simchip"]
+    assert simchip["plugin"] == "simchip" and simchip["error"] is None
+    assert simchip["fallbacks"] == ["paged_attention", "rotary_embedding"]
+    assert data["ops_coverage"]["torch"]["fallbacks"] == []  # the built-in op table is complete
+    row = next(p for p in data["plugins"] if p["name"] == "simchip")
+    assert row["distribution"] == "kunlun-infer-simchip" and row["options"]["device"] == ["simchip"]
+
+
+@pytest.mark.parametrize("name,module,comm", [("cuda", "kunlun_infer_cuda", "nccl"),
+                                               ("kunlun", "kunlun_infer_kunlun", "bkcl")])
+def test_hardware_plugins_list_on_a_host_without_their_hardware(name, module, comm):
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (hooks/install.sh installs it)")
+    data = json.loads(run("plugins", "--json"))
+    row = next(p for p in data["plugins"] if p["name"] == name)
+    assert row["error"] is None and row["options"]["comm"] == [comm]
+    assert data["ops_coverage"][name]["fallbacks"] == []
