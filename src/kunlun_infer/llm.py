@@ -79,6 +79,27 @@ class LLM:
             progress.close()
         return [finals[i] for i in ids]
 
+    def chat(self, messages: Any, params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: Sequence[dict[str, Any]] | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` dicts) or a list of conversations.
+
+        Each is rendered with the model's chat template (``chat_template``
+        picks a named one) and generated like :meth:`generate`; outputs come
+        in conversation order, with ``prompt`` set to the rendered text.
+        """
+        from kunlun_infer.chat import encode_prompt, engine_chat_template, is_conversation_list
+
+        conversations = list(messages) if is_conversation_list(messages) else [messages]
+        template = engine_chat_template(self.engine, chat_template)
+        texts = [template.render(c, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs)
+                 for c in conversations]
+        outputs = self.generate([encode_prompt(self.tokenizer, t) for t in texts], params, use_tqdm)
+        per_prompt = len(outputs) // len(texts)
+        for i, output in enumerate(outputs):
+            output.prompt = texts[i // per_prompt]
+        return outputs
+
     def close(self) -> None:
         """Release the engine, its KV cache and the runtime (device, memory, comm, streams)."""
         self.engine.close()
