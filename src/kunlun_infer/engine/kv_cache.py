@@ -103,12 +103,15 @@ class KVBudget:
 
 
 def size_kv_cache(layout: KVLayout, *, device_memory: int, memory_fraction: float, weight_bytes: int,
-                  activation_bytes: int, comm_bytes: int = 0, max_num_seqs: int, max_model_len: int) -> KVBudget:
-    """The :class:`KVBudget` of a device; raises when not even one block fits."""
+                  activation_bytes: int, comm_bytes: int = 0, max_num_seqs: int, max_model_len: int,
+                  strict: bool = True) -> KVBudget:
+    """The :class:`KVBudget` of a device; with ``strict``, raises when not even one block fits."""
     budget = KVBudget(device_memory=int(device_memory), memory_fraction=float(memory_fraction),
                       weight_bytes=int(weight_bytes), activation_bytes=int(activation_bytes),
                       comm_bytes=int(comm_bytes), bytes_per_block=layout.bytes_per_block,
                       block_size=layout.block_size, max_num_seqs=int(max_num_seqs), max_model_len=int(max_model_len))
+    if not strict:
+        return budget
     if budget.num_blocks < 1:
         raise DeviceOutOfMemoryError(
             f"no room for the KV cache: cache.memory_fraction={memory_fraction} of {device_memory} bytes, "
