@@ -99,3 +99,17 @@ def test_scheduler_presets_reach_the_engine(folder):
         assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (4, 512)
         assert llm.engine.stats()["kv_blocks_total"] == 4 * 256 // 16
         assert len(llm.generate([[1, 2]] * 6, GREEDY, use_tqdm=False)) == 6
+
+
+@pytest.mark.parametrize("override, key", [
+    ("cache.block_size=0", "cache.block_size"),
+    ("cache.num_blocks=0", "cache.num_blocks"),
+    ("cache.memory_fraction=1.5", "cache.memory_fraction"),
+    ("scheduler.max_num_seqs=0", "scheduler.max_num_seqs"),
+    ("scheduler.max_num_batched_tokens=-4", "scheduler.max_num_batched_tokens"),
+    ("model.max_model_len=100000", "model.max_model_len"),
+    ("model.dtype=int8", "model.dtype"),
+])
+def test_engine_settings_out_of_range_name_the_key(folder, override, key):
+    with pytest.raises(ki.ConfigError, match=key.replace(".", r"\.")):
+        ki.LLM(model=str(folder), overrides=[override])

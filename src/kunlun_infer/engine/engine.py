@@ -28,7 +28,8 @@ from kunlun_infer.engine.request_state import RequestState
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.sequence import Sequence
-from kunlun_infer.engine.setup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
+from kunlun_infer.engine.setup import (check_engine_config, choose_dtype, choose_max_model_len,
+                                       measure_activation_bytes, model_dir)
 from kunlun_infer.errors import ConfigError, EngineStepError, KunlunInferError, RequestError
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -71,6 +72,7 @@ class LLMEngine:
         from kunlun_infer.models import load_model, load_model_config
 
         cfg, rt = self.config, self.runtime
+        check_engine_config(cfg)
         if int(cfg.parallel.tensor_size) != 1:
             raise ConfigError(f"parallel.tensor_size={cfg.parallel.tensor_size}: this engine runs one device; "
                               f"use parallel.tensor_size=1")

@@ -28,6 +28,20 @@ log = logging.getLogger("kunlun_infer.framework")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_engine_config(cfg: Any) -> None:
+    """Refuse engine settings out of range, naming the key (types are checked at composition)."""
+    checks = [
+        ("cache.block_size", cfg.cache.block_size, lambda v: v >= 1, ">= 1"),
+        ("cache.num_blocks", cfg.cache.num_blocks, lambda v: v is None or v >= 1, ">= 1 or null"),
+        ("cache.memory_fraction", cfg.cache.memory_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs, lambda v: v >= 1, ">= 1"),
+        ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens, lambda v: v >= 1, ">= 1"),
+    ]
+    for key, value, ok, allowed in checks:
+        if not ok(value):
+            raise ConfigError(f"{key}={value} must be {allowed}")
+
+
 def default_model_dir() -> Path:
     """The model shipped inside the package."""
     return Path(str(importlib.resources.files("kunlun_infer").joinpath("default_model")))
