@@ -42,14 +42,12 @@ def _split_globals(argv: list[str]) -> tuple[dict[str, object], list[str]]:
 
 
 def _overview() -> str:
-    from kunlun_infer.commands import command_names, load_command
+    from kunlun_infer.commands import discover
 
     lines = [f"usage: {PROG} <command> [key=value…] [--flags]   (also: python -m kunlun_infer)", "", "commands:"]
-    for name in command_names():
-        try:
-            summary = load_command(name).summary
-        except Exception as exc:  # noqa: BLE001 - one broken command must not hide the others
-            summary = f"(unavailable: {type(exc).__name__}: {exc})"
+    for name, command in discover().items():
+        summary = (f"(unavailable: {type(command).__name__}: {command})" if isinstance(command, Exception)
+                   else command.summary)
         lines.append(f"  {name:<10} {summary}")
     lines += ["", "global flags: --debug, --log-level LEVEL, --version, --help",
               f"run '{PROG} <command> --help' for a command's parameters and flags"]
