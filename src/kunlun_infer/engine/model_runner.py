@@ -94,10 +94,19 @@ class ModelRunner:
         ``generators[i]`` is the seeded generator of ``batch.seqs[i]`` (or ``None``).
         """
         inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
-        if not inputs.sample_rows:
+        logits = self.compute(inputs)
+        if logits is None:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         rows = inputs.sample_rows
         out = self.sampler(logits, [batch.seqs[i].params for i in rows], [generators[i] for i in rows])
         return StepResult(dict(zip(rows, out.token_ids)), dict(zip(rows, out.logprobs)))
+
+    def compute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Forward the flat batch; the logits of the rows in ``logits_indices`` (``None`` when there are none).
+
+        Tensor-parallel ranks other than 0 call this alone (they do not sample).
+        """
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        if inputs.logits_indices.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
