@@ -52,8 +52,11 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads(folder, tmp_path):
 
 def test_missing_tensor_is_named(folder):
     rewrite(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ModelLoadError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' .*missing from "
-                                             r"model\.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' \(shape \[96, 64\]\) "
+                                             r"is missing from model\.safetensors"):
+        load(folder)
+    rewrite(folder, lambda t: [t.pop(n) for n in list(t) if n.startswith("model.layers.0.")])
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.0\..*' \(shape .*\) \(and 9 more\) is missing"):
         load(folder)
 
 

@@ -127,9 +127,10 @@ def test_column_then_row_parallel_sums_to_the_unsharded_product():
     assert torch.equal(out0, out1) and calls0 == 1
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_two_ranks_compute_transformers_logits(arch, hf_folder):
-    folder, hf = hf_folder(arch)
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
+                                             ("llama", {"vocab_size": 317})])  # uneven vocabulary split
+def test_two_ranks_compute_transformers_logits(arch, overrides, hf_folder):
+    folder, hf = hf_folder(arch, **overrides)
     g = torch.Generator().manual_seed(4)
     prompts = {i: torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate([1, 6, 13])}
 

@@ -67,3 +67,22 @@ def test_folder_without_tokenizer_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="tokenizer.json is not a valid tokenizers file"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_word_level_decode_cleans_up_spaces_like_transformers(clean_up, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "</s>", "hello", ",", "world", ".", "it", "'s", "n't", "?"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>",
+         "clean_up_tokenization_spaces": clean_up}))
+    ours, hf = load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = "hello , world . it 's n't ?"
+    ids = ours.encode(text)
+    assert ids == hf(text)["input_ids"]
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert (ours.decode(ids) == "hello, world. it'sn't?") == clean_up

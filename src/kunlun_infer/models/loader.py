@@ -123,11 +123,13 @@ def validate_checkpoint(model: CausalLM, index: dict[str, StoredTensor], model_d
     """Every tensor the model needs is present with the right shape and a float dtype; nothing else is."""
     needed = model.checkpoint_tensors()
     files = ", ".join(sorted({s.file.name for s in index.values()})) or "(no tensors)"
+    missing = [name for name in needed if name not in index]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"tensor {missing[0]!r} (shape {list(needed[missing[0]][1].shape)}){more} is missing "
+                             f"from {files} in {model_dir}; the weights do not match config.json")
     for name, (_, spec) in needed.items():
-        stored = index.get(name)
-        if stored is None:
-            raise ModelLoadError(f"tensor {name!r} (shape {list(spec.shape)}) is missing from {files} in "
-                                 f"{model_dir}; the weights do not match config.json")
+        stored = index[name]
         if stored.shape != spec.shape:
             raise ModelLoadError(f"{stored.file}: tensor {name!r} has shape {list(stored.shape)}, but "
                                  f"config.json implies {list(spec.shape)}")
