@@ -75,3 +75,15 @@ def test_model_reports_its_cache_geometry(hf_folder, runtime):
     assert (model.num_layers, model.num_kv_heads, model.head_dim) == (2, 2, 32)
     assert set(model.required_ops) <= set(runtime.resolve_ops(model.required_ops).ops)
     assert model.weight_nbytes() == sum(p.numel() * 4 for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {"attention_bias": True, "mlp_bias": True}),
+                                             ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
+                                             ("llama", {"num_key_value_heads": 4, "head_dim": 8})])
+def test_config_variants_match_transformers(arch, overrides, hf_folder, runtime):
+    folder, hf = hf_folder(arch, **overrides)
+    model = load_model(folder, runtime=runtime, dtype=torch.float32)
+    prompts = random_prompts([2, 11], seed=5)
+    out = PagedKV(model, block_size=4).step(prompts)
+    for i, tokens in prompts.items():
+        assert max_relative_error(out[i], hf_logits(hf, tokens)) < 1e-4
