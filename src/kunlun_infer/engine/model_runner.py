@@ -98,7 +98,8 @@ class ModelRunner:
         if logits is None:
             return StepResult({}, {})
         rows = inputs.sample_rows
-        out = self.sampler(logits, [batch.seqs[i].params for i in rows], [generators[i] for i in rows])
+        seqs = [batch.seqs[i] for i in rows]
+        out = self.sampler(logits, [s.params for s in seqs], [generators[i] for i in rows], seqs)
         return StepResult(dict(zip(rows, out.token_ids)), dict(zip(rows, out.logprobs)))
 
     def compute(self, inputs: StepInputs) -> torch.Tensor | None:

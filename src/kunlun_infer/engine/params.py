@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kunlun_infer.errors import RequestError
 
@@ -31,6 +31,16 @@ class SamplingParams:
     with the token kept in ``token_ids``. ``logprobs=N`` returns, for each
     generated token, the log-probability of that token and of the N most
     likely ones (``0`` = the chosen token only).
+
+    Penalties reshape the logits before temperature: ``repetition_penalty``
+    (as in ``transformers``: the logit of every token already seen, prompt
+    or output, is divided by it when positive and multiplied by it when
+    negative; 1 = off), ``presence_penalty`` and ``frequency_penalty`` (as
+    in the OpenAI API: subtracted once per token present in the output, and
+    once per occurrence). ``min_p`` drops tokens less likely than ``min_p``
+    times the most likely one (0 = off). Until ``min_tokens`` tokens are
+    generated, EOS and ``stop_token_ids`` cannot be drawn. ``n`` draws that
+    many samples of the prompt; they share its KV cache.
     """
 
     max_tokens: int = 16
@@ -42,6 +52,12 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     logprobs: int | None = None
+    n: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +87,17 @@ class SamplingParams:
             _require_int("stop_token_ids", t, low=0)
         if self.logprobs is not None:
             _require_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        _require_int("n", self.n, low=1)
+        _require_number("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)", lambda v: v > 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require_number(name, getattr(self, name), "in [-2, 2] (0 = off)", lambda v: -2 <= v <= 2)
+        _require_number("min_p", self.min_p, "in [0, 1] (0 = off)", lambda v: 0 <= v <= 1)
+        _require_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens, note=" (at most max_tokens)")
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty reshapes the logits."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +109,11 @@ def _require_int(field: str, value: object, *, low: int, high: int | None = None
     allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
         raise RequestError(f"{field} must be an integer {allowed}{note}, got {value!r}", field=field)
+
+
+def _require_number(field: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not ok(value):
+        raise RequestError(f"{field} must be a finite number {allowed}, got {value!r}", field=field)
 
 
 def validate_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, *, vocab_size: int,

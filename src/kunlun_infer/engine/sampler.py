@@ -1,18 +1,26 @@
 """Pick the next token of every sequence from its logits, all rows at once.
 
-Greedy rows take the argmax. Sampled rows are divided by their temperature,
+First the logits are reshaped for the rows that ask: penalties over the
+tokens each sequence has seen (repetition: prompt and output; presence and
+frequency: output), counted with one scatter over all rows, and EOS/stop
+tokens masked while a row is short of ``min_tokens``. Greedy rows take the
+argmax. Sampled rows are divided by their temperature,
 filtered by top-k and top-p (one sort shared by both filters, only when a
 row asks for them) and drawn with the exponential-race trick: the argmax of
-``probs / q`` with ``q ~ Exp(1)`` is a draw from ``probs``. The noise ``q``
+``probs / q`` with ``q ~ Exp(1)`` is a draw from ``probs``; ``min_p`` drops
+tokens below ``min_p`` times a row's top probability just before the draw. The noise ``q``
 of a row with a ``seed`` comes from that request's own generator, so its
 tokens do not depend on what else is in the batch; other rows share the
 engine's generator. Logprobs are those of the model's raw distribution
-(``log_softmax`` of the logits, before temperature and filters).
+(``log_softmax`` of the logits, before penalties, temperature and filters).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -25,6 +33,67 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+
+
+class TokenHistory(Protocol):
+    """What the sampler reads of a sequence: its tokens so far and which of them are the prompt."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    #: tokens that end the sequence (masked while ``min_tokens`` is not reached)
+    stop_token_ids: frozenset[int]
+
+
+def token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[len(id_lists), vocab_size]`` float counts of each id per row, from one scatter."""
+    counts = torch.zeros(len(id_lists), vocab_size, device=device)
+    lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
+    total = int(lengths.sum())
+    if total:
+        rows = torch.repeat_interleave(torch.arange(len(id_lists)), lengths, output_size=total)
+        ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
+        counts.index_put_((rows.to(device), ids.to(device)), torch.ones(total, device=device), accumulate=True)
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
+                    params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Logits with each row's repetition, presence and frequency penalties applied (a new tensor).
+
+    Repetition (``transformers``' definition): a token seen in the prompt or
+    the output has its logit divided by the penalty if positive, multiplied
+    if negative. Presence and frequency (OpenAI's): ``logit -= presence *
+    (count > 0) + frequency * count`` over the output tokens.
+    """
+    device, vocab = logits.device, logits.shape[-1]
+    output_ids = [h.token_ids[h.num_prompt_tokens:] for h in histories]
+    output_counts = token_counts(output_ids, vocab, device)
+    if any(p.repetition_penalty != 1 for p in params):
+        prompt_counts = token_counts([h.token_ids[:h.num_prompt_tokens] for h in histories], vocab, device)
+        seen = (prompt_counts + output_counts) > 0
+        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype,
+                               device=device).unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
+    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * (output_counts > 0)
+
+
+def mask_stop_tokens(logits: torch.Tensor, rows: list[int], stop_ids: list[frozenset[int]]) -> torch.Tensor:
+    """``logits`` with ``stop_ids[i]`` set to ``-inf`` in row ``rows[i]`` (in place)."""
+    row_index = [r for r, ids in zip(rows, stop_ids) for _ in ids]
+    col_index = [t for ids in stop_ids for t in ids]
+    if row_index:
+        logits[torch.tensor(row_index, device=logits.device), torch.tensor(col_index, device=logits.device)] = \
+            float("-inf")
+    return logits
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the probabilities below ``min_p`` (``[N]``) times each row's largest one (in place)."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill_(probs < threshold, 0.0)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
@@ -56,14 +125,35 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SamplerOutput:
+                 generators: list[torch.Generator | None],
+                 histories: Sequence[TokenHistory] | None = None) -> SamplerOutput:
+        """``histories[i]`` (the sequence of row ``i``) is needed when a row has penalties or ``min_tokens``."""
         device = logits.device
-        greedy_tokens = logits.argmax(dim=-1)
+        processed = self._process(logits, params, histories)
+        greedy_tokens = processed.argmax(dim=-1)
         if all(p.greedy for p in params):
             tokens = greedy_tokens
         else:
-            tokens = self._sample(logits, params, generators, device, greedy_tokens)
+            tokens = self._sample(processed, params, generators, device, greedy_tokens)
         return SamplerOutput(tokens.tolist(), self._logprobs(logits, tokens, params))
+
+    @staticmethod
+    def _process(logits: torch.Tensor, params: list[SamplingParams],
+                 histories: Sequence[TokenHistory] | None) -> torch.Tensor:
+        """Penalties and the ``min_tokens`` mask; ``logits`` itself when no row asks for them."""
+        penalized = any(p.has_penalties for p in params)
+        if not penalized and not any(p.min_tokens for p in params):
+            return logits
+        if histories is None:
+            raise ValueError("the sampler needs each row's token history for penalties and min_tokens")
+        if penalized:
+            logits = apply_penalties(logits, histories, params)
+        short = [i for i, (p, h) in enumerate(zip(params, histories))
+                 if len(h.token_ids) - h.num_prompt_tokens < p.min_tokens]
+        if short:
+            logits = mask_stop_tokens(logits if penalized else logits.clone(), short,
+                                      [histories[i].stop_token_ids for i in short])
+        return logits
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None], device: torch.device,
@@ -80,6 +170,8 @@ class Sampler:
         if top_k is not None or top_p is not None:
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            probs = apply_min_p(probs, torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device))
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in enumerate(generators):
             if generator is not None and not params[row].greedy:
