@@ -30,7 +30,7 @@ from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.engine.setup import (check_engine_config, choose_dtype, choose_max_model_len,
                                        measure_activation_bytes, model_dir)
-from kunlun_infer.errors import ConfigError, EngineStepError, KunlunInferError, RequestError
+from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -41,11 +41,16 @@ class LLMEngine:
     """Continuous-batching inference over one runtime. Build with :meth:`from_config`."""
 
     def __init__(self, config: DictConfig, *, runtime: Any = None) -> None:
+        from kunlun_infer.engine.launch import resolve_parallel_config, torchrun_place
         from kunlun_infer.runtime import Runtime
 
-        self.config = config
+        self.config = config = resolve_parallel_config(config)
         self._owns_runtime = runtime is None
-        self.runtime = Runtime.from_config(config) if runtime is None else runtime
+        place = torchrun_place()
+        self.runtime = Runtime.from_config(config, local_rank=place.local_rank if place else 0) \
+            if runtime is None else runtime
+        #: the other tensor-parallel ranks (``None`` with ``parallel.tensor_size=1``)
+        self.parallel: Any = None
         self._closed = False
         self._requests: dict[str, RequestState] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -73,9 +78,7 @@ class LLMEngine:
 
         cfg, rt = self.config, self.runtime
         check_engine_config(cfg)
-        if int(cfg.parallel.tensor_size) != 1:
-            raise ConfigError(f"parallel.tensor_size={cfg.parallel.tensor_size}: this engine runs one device; "
-                              f"use parallel.tensor_size=1")
+        tensor_size = int(cfg.parallel.tensor_size)
         self.model_path = model_dir(cfg.model.path)
         self.model_config = arch = load_model_config(self.model_path)
         self.dtype = choose_dtype(str(cfg.model.dtype), getattr(arch, "torch_dtype", None), rt.device)
@@ -85,11 +88,20 @@ class LLMEngine:
         self.eos_token_ids = tuple(arch.eos_token_ids or getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.device = rt.device.torch_device
         free_before_weights = rt.device.mem_get_info()[0]
-        model = load_model(self.model_path, runtime=rt, dtype=self.dtype, max_model_len=self.max_model_len)
         self.block_size = int(cfg.cache.block_size)
+        if tensor_size > 1:
+            from kunlun_infer.engine.executor import TensorParallelGroup
+
+            self.parallel = TensorParallelGroup.start(cfg, rt)
+            model = self.parallel.load_model(self.model_path, dtype=self.dtype, max_model_len=self.max_model_len,
+                                             block_size=self.block_size)
+            free_before_weights = self.parallel.min_free_bytes  # the tightest rank sizes the cache of all
+        else:
+            model = load_model(self.model_path, runtime=rt, dtype=self.dtype, max_model_len=self.max_model_len)
         layout = KVLayout(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim, self.dtype)
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)))
-        self.runner = ModelRunner(model, device=self.device, block_size=self.block_size, sampler=sampler)
+        runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class
+        self.runner = runner_class(model, device=self.device, block_size=self.block_size, sampler=sampler)
         budget, chunked = int(cfg.scheduler.max_num_batched_tokens), bool(cfg.scheduler.chunked_prefill)
         if not chunked and budget < self.max_model_len:
             log.warning("scheduler.chunked_prefill=false: raising scheduler.max_num_batched_tokens from %d to "
@@ -116,7 +128,7 @@ class LLMEngine:
         self._observe_steps = rt.plugins.has_observers("kunlun_infer_engine_step")
         rt.plugins.engine_start({
             "model": str(self.model_path), "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_blocks_total": num_blocks, "block_size": self.block_size, "tensor_size": 1,
+            "kv_blocks_total": num_blocks, "block_size": self.block_size, "tensor_size": tensor_size,
             "plugins": {c: rt.plugin_for(c) for c in ("device", "memory", "ops", "comm", "streams")},
         })
         log.info("engine ready: %s (%s), max_model_len=%d, %d KV blocks", self.model_path, self.dtype,
@@ -214,6 +226,10 @@ class LLMEngine:
             state.mark_scheduled(started)
         try:
             result = self.runner.execute(batch, [s.generator for s in states])
+        except WorkerError:  # a tensor-parallel rank is gone: no later step can run either
+            for state in states:
+                self.abort(state.request_id)
+            raise
         except Exception as exc:
             for state in states:
                 self.abort(state.request_id)
@@ -280,8 +296,12 @@ class LLMEngine:
                 free_kv_caches(self.runtime.memory, runner.kv_caches)
         finally:
             self._closed = True
-            if self._owns_runtime:
-                self.runtime.close()
+            try:
+                if self.parallel is not None:
+                    self.parallel.close()
+            finally:
+                if self._owns_runtime:
+                    self.runtime.close()
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -1,0 +1,269 @@
+"""Rank 0 of a tensor-parallel engine: start the group, load the shards, drive every step, notice failures.
+
+:meth:`TensorParallelGroup.start` brings up ranks ``1 .. N-1`` — spawned here
+as child processes, or already started by torchrun — and joins the comm group
+with them. :meth:`~TensorParallelGroup.load_model` has every rank load its
+shard and report back; :class:`DriverRunner` broadcasts each step's flat
+batch before running rank 0's own forward, and its ``kv_caches`` assignments
+resize the workers' caches alike. While the engine is idle a heartbeat keeps
+the workers' collective timeout from firing.
+
+Failure: a worker that dies makes the next collective fail at once (its
+connection closes) and the child's exit is noticed before each step; one that
+hangs makes it fail after ``comm.timeout_s``. Either way the step raises
+:class:`~kunlun_infer.errors.WorkerError` and the group refuses further steps.
+:meth:`~TensorParallelGroup.close` stops the workers and reaps the children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kunlun_infer.engine.distributed import ControlPlane, exchange_status
+from kunlun_infer.engine.launch import free_loopback_port, torchrun_place
+from kunlun_infer.engine.model_runner import ModelRunner, StepInputs
+from kunlun_infer.engine.spawn import WorkerProcesses
+from kunlun_infer.errors import ConfigError, PluginError, WorkerError
+
+log = logging.getLogger("kunlun_infer.framework")
+
+_POLL_S = 0.05
+_RESTART = "close this engine and start a new one"
+
+
+class TensorParallelGroup:
+    """The ``parallel.tensor_size`` ranks of one engine, seen from rank 0."""
+
+    def __init__(self, cfg: DictConfig, runtime: Any) -> None:
+        self.size = int(cfg.parallel.tensor_size)
+        self.timeout_s = float(cfg.comm.timeout_s)
+        self.worker_timeout_s = float(cfg.parallel.worker_timeout_s)
+        self.runtime = runtime
+        self.plane = ControlPlane(runtime.comm, runtime.device.torch_device)
+        self.workers: WorkerProcesses | None = None
+        #: free device memory before loading, on the rank with the least
+        self.min_free_bytes = 0
+        self._lock = threading.RLock()
+        self._broken: str | None = None
+        self._last_message = time.monotonic()
+        self._stopping = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def start(cls, cfg: DictConfig, runtime: Any) -> TensorParallelGroup:
+        """Bring up the other ranks and join the comm group with them (rank 0)."""
+        group = cls(cfg, runtime)
+        try:
+            group._join(cfg)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def _join(self, cfg: DictConfig) -> None:
+        place = torchrun_place()
+        if place is not None and place.world_size > 1:
+            if place.rank != 0:
+                raise ConfigError(f"the engine runs on rank 0; rank {place.rank} must serve as a worker "
+                                  "(kunlun_infer.engine.workers.serve_torchrun_worker)")
+            self.runtime.init_comm(rank=0, world_size=self.size, init_method=cfg.parallel.init_method)
+            return
+        init_method = cfg.parallel.init_method or f"tcp://127.0.0.1:{free_loopback_port()}"
+        self.workers = WorkerProcesses(config=OmegaConf.to_container(cfg, resolve=True), world_size=self.size,
+                                       init_method=init_method)
+        self._watching(lambda: self.runtime.init_comm(rank=0, world_size=self.size, init_method=init_method),
+                       f"joining the {self.size} ranks at {init_method}", self.worker_timeout_s)
+
+    def _watching(self, fn: Callable[[], Any], what: str, timeout_s: float) -> Any:
+        """Run ``fn`` while watching the children; ``WorkerError`` if one dies or ``timeout_s`` passes."""
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=run, name="kunlun-infer-tp-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive():
+            thread.join(_POLL_S)
+            dead = self.workers.dead() if self.workers is not None else []
+            if dead:
+                raise WorkerError(f"tensor-parallel start-up failed while {what}: {'; '.join(dead)}")
+            if time.monotonic() > deadline and thread.is_alive():
+                raise WorkerError(f"tensor-parallel start-up: {what} took longer than "
+                                  f"parallel.worker_timeout_s={self.worker_timeout_s:g}s")
+        if "error" in result:
+            raise result["error"]
+        return result.get("value")
+
+    # ------------------------------------------------------------------ loading
+
+    def load_model(self, model_path: Any, *, dtype: torch.dtype, max_model_len: int, block_size: int) -> Any:
+        """Every rank loads its shard; returns rank 0's. Raises the first failure of any rank."""
+        from kunlun_infer.models import load_model
+
+        spec = {"model_path": str(model_path), "dtype": str(dtype).removeprefix("torch."),
+                "max_model_len": int(max_model_len), "block_size": int(block_size)}
+        with self.collective("sending the load request"):
+            self.plane.send_load(spec)
+        model, failure = None, None
+        free_before = self.runtime.device.mem_get_info()[0]
+        try:
+            model = load_model(model_path, runtime=self.runtime, dtype=dtype, tp_rank=0, tp_size=self.size,
+                               max_model_len=max_model_len)
+        except Exception as exc:  # noqa: BLE001 - the workers must hear about it before it is raised
+            failure = exc
+        with self.collective("collecting the load results"):
+            statuses = exchange_status(self.runtime.comm, self.runtime.device.torch_device, ok=failure is None,
+                                       free_bytes=free_before,
+                                       error=None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        failed = [s for s in statuses if not s.ok]
+        if failed:
+            raise WorkerError("; ".join(f"tensor-parallel rank {s.rank} could not load its shard: {s.error}"
+                                        for s in failed))
+        self.min_free_bytes = min(s.free_bytes for s in statuses)
+        self._start_heartbeat()
+        return model
+
+    @property
+    def runner_class(self) -> Callable[..., ModelRunner]:
+        """Builds rank 0's runner (``ModelRunner`` arguments) bound to this group."""
+        return functools.partial(DriverRunner, group=self)
+
+    # ------------------------------------------------------------------ steps
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Hold the control plane for one exchange; failures there become ``WorkerError``."""
+        with self._lock:
+            self._check(what)
+            try:
+                yield
+            except BaseException as exc:
+                # the ranks may now be out of step: nothing more may be sent
+                self._broken = f"{what} failed: {type(exc).__name__}: {exc}"
+                error = self._as_worker_error(exc, what)
+                if error is None:
+                    raise
+                raise error from exc
+            finally:
+                self._last_message = time.monotonic()
+
+    def _check(self, what: str) -> None:
+        if self._closed:
+            raise WorkerError(f"the tensor-parallel group is closed; cannot go on {what}")
+        dead = self.workers.dead() if self.workers is not None else []
+        if dead and self._broken is None:
+            self._broken = "; ".join(dead)
+        if self._broken is not None:
+            raise WorkerError(f"the tensor-parallel group is out of service ({self._broken}); {_RESTART}")
+
+    def _as_worker_error(self, exc: BaseException, what: str) -> WorkerError | None:
+        """The ``WorkerError`` for ``exc``, or ``None`` when rank 0 itself failed (not a peer)."""
+        dead = self._dead_workers_after(exc)
+        if dead:
+            return WorkerError(f"tensor-parallel {what} failed: {'; '.join(dead)}; {_RESTART}")
+        comm_plugin = self.runtime.plugin_for("comm")
+        if isinstance(exc, PluginError) and exc.plugin == comm_plugin:
+            cause = exc.__cause__ or exc
+            if "timed out" in str(cause).lower() or "timeout" in str(cause).lower():
+                return WorkerError(f"tensor-parallel {what}: a rank did not answer within comm.timeout_s="
+                                   f"{self.timeout_s:g}s (hung, or far slower than rank 0): {cause}; {_RESTART}")
+            return WorkerError(f"tensor-parallel {what}: a collective failed ({cause}); a peer rank probably "
+                               f"died; {_RESTART}")
+        return None
+
+    def _dead_workers_after(self, exc: BaseException) -> list[str]:
+        if self.workers is None:
+            return []
+        deadline = time.monotonic() + (0.5 if isinstance(exc, PluginError) else 0.0)
+        while True:  # a closed connection can be seen a moment before the child's exit
+            dead = self.workers.dead()
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(_POLL_S)
+
+    def _start_heartbeat(self) -> None:
+        self._heartbeat = threading.Thread(target=self._beat, name="kunlun-infer-tp-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        interval = max(0.05, min(self.timeout_s / 4, 10.0))
+        while not self._stopping.wait(interval / 2):
+            if not self._lock.acquire(timeout=interval):
+                continue
+            try:
+                if self._broken is None and time.monotonic() - self._last_message >= interval:
+                    with contextlib.suppress(WorkerError):
+                        with self.collective("a heartbeat"):
+                            self.plane.send_heartbeat()
+            except Exception:  # noqa: BLE001 - recorded in _broken; the next step reports it
+                pass
+            finally:
+                self._lock.release()
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stop the workers (a ``STOP`` message when the group still works), reap spawned ones. Idempotent."""
+        if self._closed:
+            return
+        self._stopping.set()
+        stopped = False
+        if self._lock.acquire(timeout=self.timeout_s + 1.0):
+            try:
+                if self._broken is None and self.runtime.comm.joined and not self._closed:
+                    try:
+                        with self.collective("stopping the workers"):
+                            self.plane.send_stop()
+                        stopped = True
+                    except Exception as exc:  # noqa: BLE001 - the workers are reaped below anyway
+                        log.warning("could not stop the tensor-parallel workers cleanly: %s", exc)
+            finally:
+                self._closed = True
+                self._lock.release()
+        self._closed = True
+        if self.workers is not None:
+            self.workers.close(grace_s=self.worker_timeout_s if stopped else 0.0)
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=1.0)
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's model runner: every step and every KV resize is first sent to the other ranks."""
+
+    def __init__(self, model: torch.nn.Module, *, group: TensorParallelGroup, **kwargs: Any) -> None:
+        self.group = group
+        self._kv_caches: list = []
+        super().__init__(model, **kwargs)
+
+    @property
+    def kv_caches(self) -> list:
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list) -> None:
+        num_blocks = int(caches[0][0].shape[0]) if caches else 0
+        with self.group.collective(f"resizing the KV cache to {num_blocks} blocks"):
+            self.group.plane.send_kv(num_blocks)
+        self._kv_caches = caches
+
+    def compute(self, inputs: StepInputs) -> torch.Tensor | None:
+        with self.group.collective("a model step"):
+            self.group.plane.send_step(inputs)
+            return super().compute(inputs)

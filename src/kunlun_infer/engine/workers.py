@@ -1,0 +1,164 @@
+"""The ranks other than 0: load a shard of the model, then run every step rank 0 sends, in lockstep.
+
+A worker builds its own :class:`~kunlun_infer.runtime.Runtime` (device index =
+its local rank), joins the comm group, and serves control messages (see
+:mod:`kunlun_infer.engine.distributed`) until ``STOP``: ``LOAD`` loads its
+shard and reports back, ``KV`` (re)allocates its part of the paged cache,
+``STEP`` runs the forward and the logits gather. It never samples.
+
+Two ways in: :func:`serve_torchrun_worker` (a process torchrun started, e.g.
+``torchrun … -m kunlun_infer generate …`` on a rank above 0) and
+``python -m kunlun_infer.engine.workers`` (a process the engine spawned,
+reading its place and config as JSON on stdin; see :mod:`.spawn`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, TextIO
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kunlun_infer.engine.distributed import ControlPlane, Kind, exchange_status
+from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, free_kv_caches
+from kunlun_infer.engine.launch import Place, resolve_parallel_config, torchrun_place
+from kunlun_infer.engine.model_runner import ModelRunner
+
+log = logging.getLogger("kunlun_infer.framework")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Worker:
+    """One rank's model shard, KV cache and message loop."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.rank = runtime.comm.rank
+        self.plane = ControlPlane(runtime.comm, runtime.device.torch_device)
+        self.runner: ModelRunner | None = None
+        self.layout: KVLayout | None = None
+
+    def serve(self) -> None:
+        """Handle messages until ``STOP``; a failed collective raises (rank 0 died, hung or stopped talking)."""
+        try:
+            while True:
+                message = self.plane.receive()
+                if message.kind is Kind.STOP:
+                    return
+                if message.kind is Kind.LOAD:
+                    if not self.load(message.spec or {}):
+                        return
+                elif message.kind is Kind.KV:
+                    self.resize_kv(message.num_blocks)
+                elif message.kind is Kind.STEP:
+                    with torch.inference_mode():
+                        self.runner.compute(message.inputs)
+        finally:
+            if self.runner is not None:
+                free_kv_caches(self.runtime.memory, self.runner.kv_caches)
+
+    def load(self, spec: dict[str, Any]) -> bool:
+        """Load this rank's shard; every rank then learns who succeeded. True when all did."""
+        from kunlun_infer.models import load_model
+
+        error = None
+        free_before = self.runtime.device.mem_get_info()[0]
+        try:
+            dtype = DTYPES[spec["dtype"]]
+            model = load_model(spec["model_path"], runtime=self.runtime, dtype=dtype, tp_rank=self.rank,
+                               tp_size=self.runtime.comm.world_size, max_model_len=spec["max_model_len"])
+            self.runner = ModelRunner(model, device=self.runtime.device.torch_device,
+                                      block_size=spec["block_size"], sampler=None)
+            self.layout = KVLayout(model.num_layers, spec["block_size"], model.num_kv_heads, model.head_dim, dtype)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+            log.error("rank %d could not load the model: %s", self.rank, exc)
+            error = f"{type(exc).__name__}: {exc}"
+        statuses = exchange_status(self.runtime.comm, self.runtime.device.torch_device, ok=error is None,
+                                   free_bytes=free_before, error=error)
+        return all(s.ok for s in statuses)
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """Hold exactly ``num_blocks`` KV blocks (the same number as rank 0)."""
+        free_kv_caches(self.runtime.memory, self.runner.kv_caches)
+        if num_blocks > 0:
+            self.runner.kv_caches = allocate_kv_caches(self.runtime.memory, self.layout, num_blocks)
+
+
+def serve_rank(cfg: DictConfig, place: Place, init_method: str | None) -> None:
+    """Build this rank's runtime, join the group, serve until ``STOP``, release everything."""
+    from kunlun_infer.runtime import Runtime
+
+    runtime = Runtime.from_config(cfg, local_rank=place.local_rank)
+    try:
+        runtime.init_comm(rank=place.rank, world_size=place.world_size, init_method=init_method)
+        Worker(runtime).serve()
+    finally:
+        runtime.close()
+
+
+def serve_torchrun_worker(cfg: DictConfig) -> bool:
+    """On a rank above 0 that torchrun started, serve as a worker and return True; else return False.
+
+    Commands that start an engine call this first, so that
+    ``torchrun --nproc-per-node N -m kunlun_infer generate …`` runs the engine
+    on rank 0 only, with every other rank serving its shard.
+    """
+    place = torchrun_place()
+    if place is None or place.rank == 0 or place.world_size == 1:
+        return False
+    serve_rank(resolve_parallel_config(cfg, place), place, None)
+    return True
+
+
+# ---------------------------------------------------------------------- spawned by the engine
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A spawned worker never outlives the engine that started it, even if that one was killed."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="kunlun-infer-parent-watch", daemon=True).start()
+
+
+def _report(status: TextIO, text: str) -> None:
+    try:
+        status.write(text.replace("\n", " ") + "\n")
+        status.flush()
+    except OSError:
+        pass
+
+
+def main() -> int:
+    """Entry of a spawned worker: place and config as JSON on stdin, one status line on stdout at failure."""
+    status = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything printed goes to stderr; stdout is the status channel
+    sys.stdout = sys.stderr
+    try:
+        job = json.load(sys.stdin)
+        _exit_with_parent(int(job["parent_pid"]))
+        logging.basicConfig(level=int(job.get("log_level", logging.WARNING)),
+                            format=f"%(levelname)s rank {job['rank']} %(name)s: %(message)s")
+        if job.get("num_threads"):
+            torch.set_num_threads(int(job["num_threads"]))
+        place = Place(int(job["rank"]), int(job["world_size"]), int(job["local_rank"]))
+        serve_rank(OmegaConf.create(job["config"]), place, job["init_method"])
+    except BaseException as exc:  # noqa: BLE001 - the engine reads this line when it sees the exit code
+        _report(status, f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
