@@ -139,3 +139,16 @@ def test_arena_release_merges_both_neighbours():
     assert arena.free_ranges() == [(0, 8 * MIB)]
     with pytest.raises(ValueError, match="double free"):
         arena.release(b)
+
+
+def test_allocator_starts_afresh_when_the_device_is_reopened():
+    dev = SimchipDevice(capacity=8 * MIB)
+    memory = SimchipAllocator(dev)
+    dev.open()
+    memory.free(memory.allocate((10,), torch.float32))  # one range cached in the first arena
+    dev.close()
+    dev.open()
+    t = memory.allocate((10,), torch.float32)
+    assert memory.stats().num_cache_hits == 0 and memory.stats().reserved == GRANULARITY
+    assert t.data_ptr() == dev.arena.base_ptr
+    dev.close()

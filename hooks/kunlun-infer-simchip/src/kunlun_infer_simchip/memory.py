@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -19,6 +18,7 @@ from kunlun_infer.capabilities import MemoryAllocator, MemoryStats
 from kunlun_infer.errors import DeviceOutOfMemoryError, PluginError
 
 from kunlun_infer_simchip import CHIP_NAME
+from kunlun_infer_simchip.arena import Arena
 from kunlun_infer_simchip.config import ALIGNMENT, GRANULARITY
 from kunlun_infer_simchip.device import SimchipDevice
 
@@ -44,6 +44,17 @@ class SimchipAllocator(MemoryAllocator):
         self._peak = 0
         self._num_allocs = 0
         self._num_cache_hits = 0
+        self._arena_in_use = None
+
+    def _arena(self) -> Arena:
+        """The device's arena; bookkeeping of an earlier arena (device closed and reopened) is dropped."""
+        arena = self.device.arena
+        if arena is not self._arena_in_use:
+            self._live.clear()
+            self._cached.clear()
+            self._allocated = self._reserved = 0
+            self._arena_in_use = arena
+        return arena
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         shape = tuple(int(d) for d in shape)
@@ -51,11 +62,12 @@ class SimchipAllocator(MemoryAllocator):
         self._num_allocs += 1
         if nbytes == 0:  # an empty tensor has no address to hand out; it takes no arena memory
             return torch.empty(shape, dtype=dtype)
+        arena = self._arena()
         size = self.round_size(nbytes)
         offset = self._take_cached(size)
         if offset is None:
             offset = self._reserve(nbytes, size)
-        tensor = self.device.arena.view(offset, nbytes).view(dtype).view(shape)
+        tensor = arena.view(offset, nbytes).view(dtype).view(shape)
         self._live[tensor.data_ptr()] = offset
         self._allocated += size
         self._peak = max(self._peak, self._allocated)
@@ -69,7 +81,7 @@ class SimchipAllocator(MemoryAllocator):
         return bucket.pop()
 
     def _reserve(self, nbytes: int, size: int) -> int:
-        arena = self.device.arena
+        arena = self._arena()
         try:
             offset = arena.reserve(size)
         except DeviceOutOfMemoryError:
@@ -91,12 +103,12 @@ class SimchipAllocator(MemoryAllocator):
         if offset is None:
             raise PluginError(f"memory={CHIP_NAME}: free() of a tensor it did not allocate, or freed twice "
                               f"(address {key:#x})", plugin=CHIP_NAME, hook="MemoryAllocator.free")
-        size = self.device.arena.size_of(offset)
+        size = self._arena().size_of(offset)
         self._allocated -= size
         self._cached.setdefault(size, []).append(offset)
 
     def empty_cache(self) -> None:
-        arena = self.device.arena
+        arena = self._arena()
         for size, offsets in self._cached.items():
             for offset in offsets:
                 arena.release(offset)
@@ -111,12 +123,3 @@ class SimchipAllocator(MemoryAllocator):
         return MemoryStats(allocated=self._allocated, reserved=reserved, peak=self._peak,
                            fragmentation=(1.0 - self._allocated / reserved) if reserved else 0.0,
                            num_allocs=self._num_allocs, num_cache_hits=self._num_cache_hits)
-
-    def round_size(self, nbytes: int) -> int:
-        g = self.granularity
-        return max(g, -(-nbytes // g) * g)
-
-    def describe(self) -> dict[str, Any]:
-        """Arena facts for diagnostics: capacity, free, largest contiguous free range."""
-        arena = self.device.arena
-        return {"capacity": arena.capacity, "free": arena.free_bytes, "largest_free": arena.largest_free}
