@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     except KunlunInferError as exc:
         if opts["debug"]:
             traceback.print_exc(file=stderr)
-        print(f"{PROG}: error: {exc}", file=stderr)
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=stderr)  # one line, always
         return 2 if isinstance(exc, (ConfigError, UsageError)) else 1
     except BrokenPipeError:  # the reader went away (`kunlun-infer plugins --json | head`)
         if stdout is sys.stdout:
@@ -115,6 +115,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     except Exception as exc:  # noqa: BLE001 - an unexpected failure still gets one line
         if opts["debug"]:
             traceback.print_exc(file=stderr)
-        print(f"{PROG}: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+        print(f"{PROG}: internal error: {type(exc).__name__}: {' '.join(str(exc).split())} "
+              f"(run with --debug for the traceback)",
               file=stderr)
         return 1

@@ -28,7 +28,7 @@ def plugin_failure(exc: BaseException, *, plugin: str, hook: str, layer: str = "
     if isinstance(exc, KunlunInferError):
         return exc
     return PluginError(
-        f"plugin '{plugin}' failed in {hook} (layer: {layer}): {type(exc).__name__}: {exc}",
+        f"plugin '{plugin}' failed in {hook} (layer: {layer}): {type(exc).__name__}: {' '.join(str(exc).split())}",
         plugin=plugin, hook=hook, layer=layer)
 
 

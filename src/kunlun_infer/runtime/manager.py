@@ -72,6 +72,11 @@ class LoadError:
         return str(self.error)
 
 
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` with the message's whitespace (newlines included) collapsed."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
 def _names_from_env(environ: Mapping[str, str], key: str) -> set[str] | None:
     raw = environ.get(key, "").strip()
     if not raw:
@@ -142,7 +147,7 @@ class PluginManager:
             except Exception as exc:
                 raise PluginError(
                     f"plugin '{ep.name}' (entry point {ep.value}, distribution {dist_name} {dist_version}) "
-                    f"failed to import: {type(exc).__name__}: {exc}", plugin=ep.name, hook="import",
+                    f"failed to import: {_one_line(exc)}", plugin=ep.name, hook="import",
                     layer="plugin") from exc
             self.register(module, source="entry point", entry_point=ep.name,
                           distribution=dist_name, distribution_version=dist_version)
@@ -164,7 +169,7 @@ class PluginManager:
         try:
             self._pm.register(plugin, name=reg_name)
         except Exception as exc:
-            raise PluginError(f"plugin '{label}' does not fit the hook specifications: {exc}",
+            raise PluginError(f"plugin '{label}' does not fit the hook specifications: {_one_line(exc)}",
                               plugin=label, hook="register", layer="plugin") from exc
         try:
             loaded = self._describe(plugin, reg_name, label, source=source, entry_point=entry_point,

@@ -10,7 +10,12 @@ from kunlun_infer.testing.comm import check_collectives, run_collectives
 from kunlun_infer.testing.compare import ConformanceError, assert_matches
 from kunlun_infer.testing.device import check_device, check_device_lifecycle
 from kunlun_infer.testing.harness import build_runtime, plugin_manager
-from kunlun_infer.testing.memory import check_allocations, check_memory, check_out_of_memory, check_reuse_and_empty_cache
+from kunlun_infer.testing.memory import (
+    check_allocations,
+    check_memory,
+    check_out_of_memory,
+    check_reuse_and_empty_cache,
+)
 from kunlun_infer.testing.ops import check_op, check_ops
 from kunlun_infer.testing.streams import check_streams
 

@@ -108,4 +108,5 @@ def check_collectives(overrides: Sequence[str] = ("comm=gloo",), *, world_size: 
                 p.kill()
     if failures:
         first = min(failures)
-        raise ConformanceError(f"comm: collectives failed on rank(s) {sorted(failures)}; rank {first}: {failures[first]}")
+        raise ConformanceError(f"comm: collectives failed on rank(s) {sorted(failures)}; "
+                               f"rank {first}: {failures[first]}")

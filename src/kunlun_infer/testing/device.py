@@ -24,7 +24,8 @@ def check_device(device: Any, *, threads: int = 4, rounds: int = 25) -> None:
     _expect(torch.float32 in dtypes, f"device: supported_dtypes() must contain float32, got {sorted(map(str, dtypes))}")
     free, total = device.mem_get_info()
     _expect(0 <= free <= total and total > 0, f"device: mem_get_info() gave free={free}, total={total}")
-    _expect(all(isinstance(v, str) for v in device.stack_versions().values()), "device: stack_versions() values must be str")
+    _expect(all(isinstance(v, str) for v in device.stack_versions().values()),
+            "device: stack_versions() values must be str")
 
     data = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     back = data.to(device.torch_device).mul(2).cpu()

@@ -36,7 +36,8 @@ def check_allocations(memory: Any) -> None:
         _expect(t.data_ptr() % memory.alignment == 0, f"memory: allocate({shape}, {dtype}) start address is not "
                 f"a multiple of alignment={memory.alignment}")
         t.fill_(3)
-        _expect(bool((t == 3).all()), f"memory: a tensor from allocate({shape}, {dtype}) does not hold what was written")
+        _expect(bool((t == 3).all()),
+                f"memory: a tensor from allocate({shape}, {dtype}) does not hold what was written")
         rounded = memory.round_size(_nbytes(shape, dtype))
         _expect(rounded % memory.granularity == 0 and rounded >= _nbytes(shape, dtype),
                 f"memory: round_size gave {rounded}, not a multiple of granularity={memory.granularity}")
