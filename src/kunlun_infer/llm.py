@@ -54,30 +54,35 @@ class LLM:
         """Generate for every prompt (text, or token-id lists) and return the final outputs in order.
 
         ``params`` is one :class:`SamplingParams` for all prompts or one per
-        prompt. Every request is checked before any is queued, so a bad one
-        raises :class:`RequestError` and nothing runs.
+        prompt. A prompt asking for ``n > 1`` samples gives ``n`` outputs in a
+        row (``index`` 0 … n-1). Every request is checked before any is
+        queued, so a bad one raises :class:`RequestError` and nothing runs.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
         for prompt, p in zip(prompt_list, params_list):
             self.engine.validate(self.engine.tokenize(prompt)[1], p)
         ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompt_list, params_list)]
-        wanted = set(ids)
-        finals: dict[str, RequestOutput] = {}
+        num_samples = {request_id: p.n for request_id, p in zip(ids, params_list)}
+        finals: dict[str, list[RequestOutput]] = {request_id: [] for request_id in ids}
+        done: set[str] = set()
         progress = _progress(len(ids), use_tqdm)
         try:
-            while len(finals) < len(ids):
+            while len(done) < len(ids):
                 for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
-                        finals[output.request_id] = output
-                        progress.update(1)
+                    samples = finals.get(output.request_id)
+                    if output.finished and samples is not None:
+                        samples.append(output)
+                        if len(samples) == num_samples[output.request_id]:
+                            done.add(output.request_id)
+                            progress.update(1)
         except BaseException:
-            for request_id in wanted - finals.keys():
+            for request_id in finals.keys() - done:
                 self.engine.abort(request_id)
             raise
         finally:
             progress.close()
-        return [finals[i] for i in ids]
+        return [o for request_id in ids for o in sorted(finals[request_id], key=lambda o: o.index)]
 
     def chat(self, messages: Any, params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -94,10 +99,10 @@ class LLM:
         template = engine_chat_template(self.engine, chat_template)
         texts = [template.render(c, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs)
                  for c in conversations]
-        outputs = self.generate([encode_prompt(self.tokenizer, t) for t in texts], params, use_tqdm)
-        per_prompt = len(outputs) // len(texts)
-        for i, output in enumerate(outputs):
-            output.prompt = texts[i // per_prompt]
+        params_list = _as_params_list(params, len(texts))
+        outputs = self.generate([encode_prompt(self.tokenizer, t) for t in texts], params_list, use_tqdm)
+        for output, text in zip(outputs, [t for t, p in zip(texts, params_list) for _ in range(p.n)]):
+            output.prompt = text
         return outputs
 
     def close(self) -> None:

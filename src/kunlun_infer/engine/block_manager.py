@@ -5,7 +5,8 @@ reference count; a block nobody uses sits in the free queue. With prefix
 caching, a block that fills up with computed tokens is registered under the
 hash of its token chain (its own tokens and the hash of the block before),
 so a later sequence starting with the same tokens takes it by reference
-instead of recomputing it. Freed blocks keep their registration while they
+instead of recomputing it; the samples of an ``n > 1`` request share their
+prompt's full blocks the same way (:meth:`BlockManager.fork`). Freed blocks keep their registration while they
 wait in the free queue and are evicted least-recently-used: a block is
 forgotten only when the queue hands it out again. Hash collisions are
 guarded by comparing the block's tokens on every hit.
@@ -128,6 +129,24 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` (a fresh sample of ``parent``'s prompt) the parent's full computed blocks by reference.
+
+        The tokens of a partly filled last block are left for the child to
+        recompute (fewer than ``block_size`` of them, in its next step): its
+        own next tokens must go to a block of its own, and recomputing that
+        tail needs no device-side copy, so forking works unchanged on every
+        device plugin and across tensor-parallel ranks.
+        """
+        assert not child.block_table and child.num_computed_tokens == 0, "fork into a fresh sequence"
+        num_full = parent.num_computed_tokens // self.block_size
+        shared = parent.block_table[:num_full]
+        for block in shared:
+            self._ref_counts[block] += 1
+        child.block_table = list(shared)
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        child.num_computed_tokens = num_full * self.block_size
 
     def commit(self, seq: Sequence) -> None:
         """Register the blocks of ``seq`` that became full of computed tokens in the prefix cache."""

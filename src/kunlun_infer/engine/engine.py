@@ -6,7 +6,8 @@ the model runner, records the sampled tokens and returns one
 Requests are validated in :meth:`add_request` before anything is scheduled;
 a bad one is refused alone. The engine is driven from one thread. Plugins
 that implement the observability hooks hear about start, steps, finished
-requests and stop.
+requests and stop. A request for ``n`` samples gives one output per sample
+(``RequestOutput.index``); its samples share the prompt's KV blocks.
 """
 
 from __future__ import annotations
@@ -41,18 +42,19 @@ class LLMEngine:
     """Continuous-batching inference over one runtime. Build with :meth:`from_config`."""
 
     def __init__(self, config: DictConfig, *, runtime: Any = None) -> None:
-        from kunlun_infer.engine.launch import resolve_parallel_config, torchrun_place
+        from kunlun_infer.engine.launch import local_rank, resolve_parallel_config
         from kunlun_infer.runtime import Runtime
 
         self.config = config = resolve_parallel_config(config)
         self._owns_runtime = runtime is None
-        place = torchrun_place()
-        self.runtime = Runtime.from_config(config, local_rank=place.local_rank if place else 0) \
-            if runtime is None else runtime
+        self.runtime = Runtime.from_config(config, local_rank=local_rank()) if runtime is None else runtime
         #: the other tensor-parallel ranks (``None`` with ``parallel.tensor_size=1``)
         self.parallel: Any = None
         self._closed = False
-        self._requests: dict[str, RequestState] = {}
+        #: request id -> its unfinished samples (one unless ``n > 1``)
+        self._requests: dict[str, list[RequestState]] = {}
+        #: sequence id -> its state, for every unfinished sample
+        self._states: dict[int, RequestState] = {}
         self._aborted_outputs: list[RequestOutput] = []
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -168,6 +170,9 @@ class LLMEngine:
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
         validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                         max_kv_tokens=self.block_manager.num_blocks * self.block_size)
+        if params.n > self.scheduler.max_num_seqs:
+            raise RequestError(f"n={params.n} samples must be <= scheduler.max_num_seqs "
+                               f"({self.scheduler.max_num_seqs}), since they run side by side", field="n")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -181,20 +186,34 @@ class LLMEngine:
         elif not isinstance(request_id, str) or not request_id or request_id in self._requests:
             raise RequestError(f"request_id must be a new non-empty string, got {request_id!r}", field="request_id")
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, self.eos_token_ids)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self._requests[request_id] = RequestState(seq, text, self.tokenizer, generator)
+        states = [RequestState(seq, text, self.tokenizer, self._sample_generator(params, 0))]
+        for index in range(1, params.n):  # forked off ``seq`` once its prompt is computed
+            child = Sequence(next(self._seq_ids), request_id, token_ids, params, self.eos_token_ids, index)
+            seq.add_fork(child)
+            states.append(RequestState(child, text, self.tokenizer, self._sample_generator(params, index)))
+        self._requests[request_id] = states
+        self._states.update((state.seq.seq_id, state) for state in states)
         self.scheduler.add(seq)
         return request_id
 
+    def _sample_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sample ``index`` of a seeded request draws from its own stream (sample 0 from ``seed`` itself)."""
+        if params.seed is None:
+            return None
+        seed = params.seed if index == 0 else (params.seed + index * 0x9E3779B97F4A7C15) % 2**63
+        return torch.Generator(device=self.device).manual_seed(seed)
+
     def abort(self, request_id: str) -> bool:
         """End a request now and free its KV blocks; its final output comes with the next step."""
-        state = self._requests.pop(request_id, None)
-        if state is None:
+        states = self._requests.pop(request_id, None)
+        if states is None:
             return False
-        self.scheduler.finish(state.seq, "abort")
-        self._finished(state.output(time.monotonic()), self._aborted_outputs)
+        now = time.monotonic()
+        for state in states:
+            del self._states[state.seq.seq_id]
+            self.scheduler.finish(state.seq, "abort")
+            self._finished(state.output(now), self._aborted_outputs)
+        self._num_finished += 1
         return True
 
     def has_unfinished(self) -> bool:
@@ -221,11 +240,15 @@ class LLMEngine:
         return outputs
 
     def _run(self, batch: ScheduledBatch, started: float, outputs: list[RequestOutput]) -> None:
-        states = [self._requests[seq.request_id] for seq in batch.seqs]
+        states = [self._states[seq.seq_id] for seq in batch.seqs]
         for state in states:
             state.mark_scheduled(started)
+        # samples forked off a sequence this step, should its prompt be complete
+        forks = {row: [self._states[child.seq_id] for child in seq.forks]
+                 for row, seq in enumerate(batch.seqs) if seq.forks}
         try:
-            result = self.runner.execute(batch, [s.generator for s in states])
+            result = self.runner.execute(batch, [s.generator for s in states],
+                                         {row: [c.generator for c in children] for row, children in forks.items()})
         except WorkerError:  # a tensor-parallel rank is gone: no later step can run either
             for state in states:
                 self.abort(state.request_id)
@@ -237,23 +260,36 @@ class LLMEngine:
                                   f"{len(states)} request(s) were aborted") from exc
         now = time.monotonic()
         self._num_computed_tokens += batch.num_tokens
-        self.scheduler.update(batch, result.tokens)
+        self.scheduler.update(batch, result.tokens, result.fork_tokens)
         for row, token in result.tokens.items():
-            state, seq = states[row], batch.seqs[row]
-            self._num_generated_tokens += 1
-            if state.add_token(token, result.logprobs.get(row), now):
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "stop")
-                seq.finish_reason = "stop"
-            output = state.output(now)
-            if seq.is_finished:
-                del self._requests[seq.request_id]
-                self._finished(output, outputs)
-            else:
-                outputs.append(output)
+            self._record(states[row], token, result.logprobs.get(row), now, outputs)
+            for child, child_token, logprobs in zip(forks.get(row, ()), result.fork_tokens.get(row, ()),
+                                                    result.fork_logprobs.get(row, ())):
+                child.mark_scheduled(started)
+                self._record(child, child_token, logprobs, now, outputs)
+
+    def _record(self, state: RequestState, token: int, logprobs: dict[int, float] | None, now: float,
+                outputs: list[RequestOutput]) -> None:
+        """Account a token the scheduler appended to ``state.seq`` and add the request's new output."""
+        seq = state.seq
+        self._num_generated_tokens += 1
+        if state.add_token(token, logprobs, now):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
+            seq.finish_reason = "stop"
+        output = state.output(now)
+        if not seq.is_finished:
+            outputs.append(output)
+            return
+        del self._states[seq.seq_id]
+        samples = self._requests[seq.request_id]
+        samples.remove(state)
+        if not samples:
+            del self._requests[seq.request_id]
+            self._num_finished += 1
+        self._finished(output, outputs)
 
     def _finished(self, output: RequestOutput, outputs: list[RequestOutput]) -> None:
-        self._num_finished += 1
         outputs.append(output)
         self.runtime.plugins.request_finished(output)
 

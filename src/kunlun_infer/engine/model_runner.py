@@ -6,7 +6,8 @@ are computed with a handful of tensor ops from per-sequence numbers, not a
 loop over tokens. Only sequences whose known tokens are all computed after
 this step (a finished prompt, a decode) send their last hidden state through
 the LM head and the sampler; a prompt chunk in the middle just fills the
-cache.
+cache. A finished prompt with pending ``forks`` (an ``n > 1`` request) has
+its logits row sampled once more for each fork.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class StepResult:
 
     tokens: dict[int, int]
     logprobs: dict[int, dict[int, float] | None]
+    #: for a sampled row with pending forks: one first token (and logprobs) per fork, in order
+    fork_tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    fork_logprobs: dict[int, list[dict[int, float] | None]] = dataclasses.field(default_factory=dict)
 
 
 def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
@@ -88,19 +92,41 @@ class ModelRunner:
         self.kv_caches: KVCaches = []
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> StepResult:
+    def execute(self, batch: ScheduledBatch, generators: list[torch.Generator | None],
+                fork_generators: dict[int, list[torch.Generator | None]] | None = None) -> StepResult:
         """Forward the batch and sample every sequence whose known tokens are now all computed.
 
-        ``generators[i]`` is the seeded generator of ``batch.seqs[i]`` (or ``None``).
+        ``generators[i]`` is the seeded generator of ``batch.seqs[i]`` (or
+        ``None``); ``fork_generators[i]`` those of its pending forks.
         """
         inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device)
         logits = self.compute(inputs)
         if logits is None:
             return StepResult({}, {})
         rows = inputs.sample_rows
-        seqs = [batch.seqs[i] for i in rows]
-        out = self.sampler(logits, [s.params for s in seqs], [generators[i] for i in rows], seqs)
-        return StepResult(dict(zip(rows, out.token_ids)), dict(zip(rows, out.logprobs)))
+        # one sampler row per sequence to sample for: each sampled sequence, then its pending forks
+        logits_rows: list[int] = []
+        targets: list[Sequence] = []
+        target_generators: list[torch.Generator | None] = []
+        for j, i in enumerate(rows):
+            seq = batch.seqs[i]
+            logits_rows += [j] * (1 + len(seq.forks))
+            targets += [seq, *seq.forks]
+            fork_gens = fork_generators.get(i) if fork_generators else None
+            target_generators += [generators[i], *(fork_gens or [None] * len(seq.forks))]
+        if len(targets) > len(rows):
+            logits = logits.index_select(0, torch.tensor(logits_rows, device=logits.device))
+        out = self.sampler(logits, [s.params for s in targets], target_generators, targets)
+        result = StepResult({}, {})
+        k = 0
+        for i in rows:
+            num_forks = len(batch.seqs[i].forks)
+            result.tokens[i], result.logprobs[i] = out.token_ids[k], out.logprobs[k]
+            if num_forks:
+                result.fork_tokens[i] = out.token_ids[k + 1:k + 1 + num_forks]
+                result.fork_logprobs[i] = out.logprobs[k + 1:k + 1 + num_forks]
+            k += 1 + num_forks
+        return result
 
     def compute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Forward the flat batch; the logits of the rows in ``logits_indices`` (``None`` when there are none).

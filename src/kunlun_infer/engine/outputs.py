@@ -57,7 +57,8 @@ class RequestOutput:
     string that ended it. ``logprobs``: when asked, one ``{token_id:
     logprob}`` dict per generated token, holding the chosen token and the
     ``logprobs`` most likely ones. ``finish_reason`` is ``None`` while
-    running, then ``"stop"``, ``"length"`` or ``"abort"``.
+    running, then ``"stop"``, ``"length"`` or ``"abort"``. ``index`` says
+    which of a request's ``n`` samples this is (each has its own outputs).
     """
 
     request_id: str
@@ -71,3 +72,4 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     delta_text: str = ""
     num_cached_tokens: int = 0
+    index: int = 0

@@ -73,6 +73,7 @@ class RequestState:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             delta_text=delta,
             num_cached_tokens=seq.num_cached_tokens,
+            index=seq.index,
         )
 
 

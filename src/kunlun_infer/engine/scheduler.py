@@ -9,6 +9,10 @@ chunks and decodes share one step. When a running sequence cannot get a KV
 block, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of ``waiting``, to be recomputed when it resumes
 (its cached prefix blocks often make that cheap).
+
+A request for ``n`` samples is admitted with room for all of them; when its
+prompt's logits are sampled (``n`` tokens from them), :meth:`update` forks
+the other samples off it (see :meth:`BlockManager.fork`) into ``running``.
 """
 
 from __future__ import annotations
@@ -92,8 +96,10 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if self._num_slots_taken() + 1 + len(seq.forks) > self.max_num_seqs:
+                break
             prefix = bm.match_prefix(seq)
             num_new = len(seq) - len(prefix) * bm.block_size
             if num_new > budget:
@@ -113,6 +119,10 @@ class Scheduler:
             self._add_to_batch(batch, seq, num_new)
             budget -= num_new
 
+    def _num_slots_taken(self) -> int:
+        """Running sequences plus the samples still to be forked off them."""
+        return len(self.running) + sum(len(seq.forks) for seq in self.running)
+
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         batch.seqs.append(seq)
@@ -131,11 +141,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the model ran
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int],
+               forked: dict[int, list[int]] | None = None) -> list[Sequence]:
         """Record the step's progress; ``sampled`` maps batch index to the token sampled for it.
 
-        Returns the sequences that finished by token (stop token or length);
-        their blocks are already freed.
+        ``forked`` maps the batch index of a sequence with pending ``forks``
+        to the first tokens sampled for them (from the same logits); those
+        samples are forked off it here and join ``running``. Returns the
+        sequences that finished by token (stop token or length); their
+        blocks are already freed.
         """
         finished = []
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -146,11 +160,25 @@ class Scheduler:
             token = sampled.get(i)
             if token is None:
                 continue
-            seq.append_token(token)
-            if seq.finish_reason is not None:
-                self.finish(seq, seq.finish_reason)
-                finished.append(seq)
+            children = zip(seq.forks, forked.get(i, ())) if forked else ()
+            for child, child_token in children:
+                self._fork(seq, child, child_token, finished)
+            seq.forks = []
+            self._append(seq, token, finished)
         return finished
+
+    def _fork(self, parent: Sequence, child: Sequence, token: int, finished: list[Sequence]) -> None:
+        self.block_manager.fork(parent, child)
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=lambda s: s.seq_id)
+        self._append(child, token, finished)
+
+    def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
+        seq.append_token(token)
+        if seq.finish_reason is not None:
+            self.finish(seq, seq.finish_reason)
+            finished.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (``"stop"``, ``"length"`` or ``"abort"``) and return its blocks at once."""

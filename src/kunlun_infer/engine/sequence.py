@@ -5,6 +5,10 @@ already have K/V in the cache (``num_computed_tokens``), and the KV blocks
 that hold them. Prefill, a prefill chunk, a decode step and a recompute after
 preemption are all the same thing here: compute the tokens from
 ``num_computed_tokens`` on; when that reaches the end, sample the next one.
+
+A request for ``n`` samples is one sequence whose ``forks`` (the other
+``n - 1`` samples, ``PENDING_FORK``) wait for its prompt: when the prompt's
+logits are sampled, the scheduler forks them off it, sharing its KV blocks.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    #: a sample of an ``n > 1`` request waiting for its parent's prompt to be computed
+    PENDING_FORK = "pending_fork"
 
 
 class Sequence:
@@ -31,9 +37,13 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), index: int = 0) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
+        #: which of the request's ``n`` samples this is
+        self.index = index
+        #: samples to fork off this sequence once its prompt is computed (see module docstring)
+        self.forks: list[Sequence] = []
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -72,6 +82,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def add_fork(self, child: Sequence) -> None:
+        """Make ``child`` (same prompt and params) wait to be forked off this sequence."""
+        child.status = SequenceStatus.PENDING_FORK
+        self.forks.append(child)
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token and end the sequence if it is a stop token or the length is reached."""
