@@ -90,12 +90,16 @@ class OrderedStream:
 
 def run(inv: Invocation) -> int:
     from kunlun_infer.engine.engine import LLMEngine
+    from kunlun_infer.engine.launch import local_rank, resolve_parallel_config
+    from kunlun_infer.engine.workers import serve_torchrun_worker
     from kunlun_infer.runtime import Runtime
 
     prompts = read_prompts(inv)
     params = sampling_params(inv)
-    cfg = inv.config()
-    runtime = Runtime.from_config(cfg, plugin_manager=inv.plugin_manager())
+    if serve_torchrun_worker(inv.config()):  # under torchrun, ranks above 0 serve rank 0's engine
+        return 0
+    cfg = resolve_parallel_config(inv.config())
+    runtime = Runtime.from_config(cfg, plugin_manager=inv.plugin_manager(), local_rank=local_rank())
     try:
         engine = LLMEngine(cfg, runtime=runtime)
         try:

@@ -177,15 +177,15 @@ class TensorParallelGroup:
         """The ``WorkerError`` for ``exc``, or ``None`` when rank 0 itself failed (not a peer)."""
         dead = self._dead_workers_after(exc)
         if dead:
-            return WorkerError(f"tensor-parallel {what} failed: {'; '.join(dead)}; {_RESTART}")
+            return WorkerError(f"{'; '.join(dead)} (during {what}); {_RESTART}")
         comm_plugin = self.runtime.plugin_for("comm")
         if isinstance(exc, PluginError) and exc.plugin == comm_plugin:
             cause = exc.__cause__ or exc
             if "timed out" in str(cause).lower() or "timeout" in str(cause).lower():
-                return WorkerError(f"tensor-parallel {what}: a rank did not answer within comm.timeout_s="
-                                   f"{self.timeout_s:g}s (hung, or far slower than rank 0): {cause}; {_RESTART}")
-            return WorkerError(f"tensor-parallel {what}: a collective failed ({cause}); a peer rank probably "
-                               f"died; {_RESTART}")
+                return WorkerError(f"a tensor-parallel rank did not answer within comm.timeout_s={self.timeout_s:g}s "
+                                   f"during {what} (hung, or far slower than rank 0): {cause}; {_RESTART}")
+            return WorkerError(f"a tensor-parallel collective failed during {what} ({cause}); a peer rank "
+                               f"probably died; {_RESTART}")
         return None
 
     def _dead_workers_after(self, exc: BaseException) -> list[str]:

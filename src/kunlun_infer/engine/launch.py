@@ -49,6 +49,12 @@ def torchrun_place(environ: Mapping[str, str] | None = None) -> Place | None:
     return Place(rank, world_size, local_rank)
 
 
+def local_rank() -> int:
+    """This process's device index on its host: torchrun's ``LOCAL_RANK``, else 0."""
+    place = torchrun_place()
+    return place.local_rank if place is not None else 0
+
+
 def resolve_parallel_config(cfg: DictConfig, place: Place | None = None) -> DictConfig:
     """``cfg`` with ``parallel.tensor_size`` and ``comm`` fit for the process layout (a copy if changed).
 

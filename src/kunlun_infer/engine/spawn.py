@@ -14,6 +14,7 @@ collected, so no child process outlives the engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,22 +41,18 @@ def _describe_exit(code: int) -> str:
 
 def _reap(procs: list[subprocess.Popen], grace_s: float) -> None:
     """Wait up to ``grace_s`` for ``procs`` to exit, then terminate, then kill; close their pipes."""
-    deadline = time.monotonic() + grace_s
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+    for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
         alive = [p for p in procs if p.poll() is None]
         if not alive:
             break
-        for p in alive:
-            if sig is not None:
-                try:
+        if sig is not None:
+            for p in alive:
+                with contextlib.suppress(ProcessLookupError):
                     p.send_signal(sig)
-                except ProcessLookupError:
-                    pass
+        deadline = time.monotonic() + wait_s
         for p in alive:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()) if sig is None else 5.0)
-            except subprocess.TimeoutExpired:
-                pass
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         for pipe in (p.stdin, p.stdout):
             if pipe is not None and not pipe.closed:
@@ -70,7 +67,7 @@ class WorkerProcesses:
         self._last_words: dict[int, str] = {}
         procs: list[subprocess.Popen] = []
         # the finalizer holds the list, not self: it reaps at interpreter exit or when self is collected
-        self._finalizer = weakref.finalize(self, _reap, procs, 2.0)
+        self._finalizer = weakref.finalize(self, _reap, procs, 0.0)
         level = logging.getLogger("kunlun_infer").getEffectiveLevel()
         for rank in range(1, world_size):
             job = {"config": config, "rank": rank, "world_size": world_size, "local_rank": rank,
