@@ -73,3 +73,13 @@ def test_bfloat16_on_simchip_runs_and_float16_is_refused(llama_dir, prompts):
         assert all(len(tokens) == MAX_TOKENS for tokens in out)
     with pytest.raises(ConfigError, match="model.dtype=float16 is not supported by device 'simchip'"):
         LLM(model=str(llama_dir), overrides=overrides(*SIMCHIP, "model.dtype=float16"))
+
+
+def test_three_distributions_in_one_run_simchip_chip_with_the_cuda_plugins_sdpa_ops(llama_dir, prompts, references):
+    require_package("kunlun_infer_cuda", "kunlun-infer-cuda")
+    # the cuda plugin's kernels name no device, so its SDPA paged attention runs on simchip's tensors
+    with LLM(model=str(llama_dir), overrides=overrides("device=simchip", "memory=simchip", "streams=simchip",
+                                                       "ops=cuda", "device.capacity=64MiB")) as llm:
+        assert generate(llm, prompts) == references
+        runtime = llm.engine.runtime
+        assert (runtime.plugin_for("device"), runtime.plugin_for("ops")) == ("simchip", "cuda")

@@ -63,3 +63,37 @@ def test_nccl_group_of_one(runtime, tmp_path):
     assert runtime.comm.all_reduce(x).tolist() == [1.5, 2.5]
     assert runtime.comm.broadcast_object({"ok": True}) == {"ok": True}
     runtime.comm.barrier()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A random-weight transformers Llama (fp32) saved as safetensors; prompts are token ids."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("cuda-llama")
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      eos_token_id=299, bos_token_id=None, pad_token_id=None,
+                                      tie_word_embeddings=False, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+def test_engine_on_the_gpu_matches_transformers_token_for_token(tiny_llama):
+    from kunlun_infer import LLM, SamplingParams
+
+    folder, model = tiny_llama
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 299, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 70, 150)]
+    references = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=8, do_sample=False, pad_token_id=299)
+            references.append(out[0, len(p):].tolist())
+    overrides = [*CUDA_RUN[:-1], "model.max_model_len=256", "cache.block_size=16", "scheduler.max_num_seqs=8"]
+    with LLM(model=str(folder), overrides=overrides) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert [o.token_ids for o in outs] == references
