@@ -3,13 +3,16 @@
 Layers never reach for a device or a global: a :class:`LayerContext` is passed
 in when a model is built. ``ops`` is the runtime's resolved op table (attribute
 access, ``ops.linear(...)``); ``comm`` is the runtime's Comm, used only when
-``tp_size > 1``. This module also holds the few helpers layers share to read
-their shard of a checkpoint tensor.
+``tp_size > 1``; ``streams`` is set only when the streams plugin has a comm
+stream of its own, so that all-reduces can overlap computation. This module
+also holds the few helpers layers share to read their shard of a checkpoint
+tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -27,6 +30,8 @@ class LayerContext:
     comm: Any = None
     #: dtype in which low-precision all-reduces accumulate (``comm.accumulate_dtype``)
     accumulate_dtype: torch.dtype | None = torch.float32
+    #: the runtime's streams when its comm stream is distinct (``streams.overlaps``); ``None`` = inline collectives
+    streams: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -44,6 +49,31 @@ class LayerContext:
         if self.tp_size == 1:
             return x
         return self.comm.all_reduce(x, accumulate_dtype=self.accumulate_dtype)
+
+    def all_reduce_pipelined(self, compute: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                             num_chunks: int) -> torch.Tensor:
+        """``all_reduce(compute(x))``, row chunk by row chunk, each chunk's all-reduce overlapping the next's compute.
+
+        Chunk ``i`` is computed on the compute stream (the caller's), then its
+        all-reduce is queued on the comm stream after an event, so it runs
+        while chunk ``i + 1`` is computed; at the end the compute stream and
+        the host wait for the last all-reduce. Rows are independent, so the
+        result equals the unchunked one. Needs ``streams`` (see the field).
+        """
+        compute_stream, comm_stream = self.streams.compute_stream(), self.streams.comm_stream()
+        reduced: list[torch.Tensor | None] = [None] * num_chunks
+
+        def reduce(i: int, part: torch.Tensor) -> None:
+            reduced[i] = self.comm.all_reduce(part, accumulate_dtype=self.accumulate_dtype)
+
+        for i, rows in enumerate(x.tensor_split(num_chunks)):
+            part = compute(rows)
+            comm_stream.wait_event(compute_stream.record_event())
+            comm_stream.submit(reduce, i, part)
+        done = comm_stream.record_event()
+        compute_stream.wait_event(done)
+        done.synchronize()  # ops may run on the host (not in stream order): the host waits as well
+        return torch.cat(reduced)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim`` (identity with one rank)."""

@@ -14,7 +14,9 @@ then calls ``ops.linear`` with the packed weight.
   ``"q"``, ``"k"``, ``"v"``; query heads split, KV heads split when they
   divide among the ranks, replicated (one head per rank) otherwise.
 - :class:`RowParallelLinear` — input features split; partial outputs summed
-  with an all-reduce; the bias is added once.
+  with an all-reduce; the bias is added once. When the streams plugin has a
+  separate comm stream and the batch is large (a prefill), the rows are cut
+  into chunks and each chunk's all-reduce overlaps the next chunk's matmul.
 """
 
 from __future__ import annotations
@@ -148,6 +150,14 @@ class RowParallelLinear(LinearBase):
         part = _Part((output_size, input_size), 1, 0, ctx.tp_rank * local, local)
         super().__init__(output_size, local, bias, ctx, {None: part})
 
+    #: rows per chunk below which overlapping the all-reduce is not worth the extra launches
+    overlap_min_rows: int = 32
+    overlap_max_chunks: int = 4
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.ctx.tp_rank == 0 else None
+        num_chunks = min(self.overlap_max_chunks, x.shape[0] // self.overlap_min_rows)
+        if self.ctx.streams is not None and num_chunks >= 2:
+            return self.ctx.all_reduce_pipelined(lambda rows: self.ctx.ops.linear(rows, self.packed_weight, bias),
+                                                 x, num_chunks)
         return self.ctx.all_reduce(self.ctx.ops.linear(x, self.packed_weight, bias))

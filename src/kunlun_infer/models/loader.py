@@ -170,6 +170,12 @@ def _accumulate_dtype(runtime: Any) -> torch.dtype:
     return name if isinstance(name, torch.dtype) else DTYPES.get(str(name), torch.float32)
 
 
+def _overlap_streams(runtime: Any, tp_size: int) -> Any:
+    """The runtime's streams when collectives can overlap compute on them (a distinct comm stream)."""
+    streams = getattr(runtime, "streams", None)
+    return streams if tp_size > 1 and streams is not None and streams.overlaps else None
+
+
 def load_model(model_dir: str | Path, *, runtime: Any, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
                max_model_len: int | None = None) -> CausalLM:
     """Load the model in ``model_dir`` for rank ``tp_rank`` of ``tp_size`` on the runtime's device.
@@ -187,7 +193,7 @@ def load_model(model_dir: str | Path, *, runtime: Any, dtype: torch.dtype, tp_ra
     cls = model_class(config)
     ctx = LayerContext(ops=runtime.resolve_ops(cls.required_ops), device=runtime.device.torch_device,
                        dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, comm=runtime.comm if tp_size > 1 else None,
-                       accumulate_dtype=_accumulate_dtype(runtime))
+                       accumulate_dtype=_accumulate_dtype(runtime), streams=_overlap_streams(runtime, tp_size))
     try:
         model = cls(config, ctx, max_model_len)
     except ValueError as e:

@@ -1,0 +1,133 @@
+"""Two ranks give the tokens of one rank and of transformers, however they are started.
+
+Embedded: ``LLM(..., parallel.tensor_size=2)`` spawns rank 1 itself (and picks
+comm=gloo on its own). torchrun: ``torchrun --nproc-per-node 2 -m kunlun_infer
+generate``, and two torchrun invocations with ``--nnodes 2`` on loopback
+standing in for two hosts. Prompts span a single token, block boundaries and
+prefills long enough for the row-parallel all-reduce to be pipelined when the
+streams plugin has its own comm stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+from kunlun_infer import LLM, SamplingParams
+from kunlun_infer.engine.launch import free_loopback_port
+from tests.engine.tiny_models import hf_greedy
+from tests.parallel.conftest import overrides
+
+ARCHS = ["llama", "qwen2", "qwen3"]  # qwen2: one KV head, replicated on both ranks
+PROMPT_LENGTHS = [1, 15, 17, 40, 130]
+MAX_TOKENS = 8
+TEXT_PROMPTS = ["hello", "the quick brown fox jumps"]
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+LAUNCH_TIMEOUT_S = 150
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def tokens(llm, batch) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+
+
+def worker_processes() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True)
+            if "kunlun_infer.engine.workers" in " ".join(p.cmdline())]
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_model):
+    """``single_rank(arch) -> (tokens for prompts(), tokens for TEXT_PROMPTS)`` of a one-rank engine."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            with LLM(model=str(tiny_model(arch)), overrides=overrides(1)) as llm:
+                cache[arch] = (tokens(llm, prompts()), tokens(llm, TEXT_PROMPTS))
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ranks_generate_the_tokens_of_one_rank_and_of_transformers(arch, tiny_model, single_rank):
+    import transformers as tf
+
+    folder = tiny_model(arch)
+    with LLM(model=str(folder), overrides=overrides(2)) as llm:
+        assert llm.config.comm.name == "gloo"  # comm=single cannot join processes: chosen for the user
+        assert len(worker_processes()) == 1
+        assert llm.engine.runner.model.model.layers[0].mlp.down_proj.ctx.streams is None  # sync: inline collectives
+        two = tokens(llm, prompts())
+        stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert worker_processes() == []
+    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert two == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts()]
+    assert two == single_rank(arch)[0]
+
+
+def test_a_separate_comm_stream_pipelines_all_reduces_without_changing_tokens(tiny_model, single_rank):
+    with LLM(model=str(tiny_model("llama")), overrides=overrides(2) + ["streams=simchip"]) as llm:
+        down_proj = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert down_proj.ctx.streams is not None  # the 130-token prefill is cut into overlapped chunks
+        assert tokens(llm, prompts()) == single_rank("llama")[0]
+
+
+# ---------------------------------------------------------------------- torchrun
+
+
+def generate_command(folder, rank_args: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rank_args, "-m", "kunlun_infer", "generate",
+           f"model.path={folder}", f"max_tokens={MAX_TOKENS}", "--json", *overrides(1)]
+    return cmd + [f"prompt={p}" for p in TEXT_PROMPTS]
+
+
+def run_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Run the commands at once (they rendezvous with each other); kill them all past the timeout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for c in commands]
+    results = []
+    try:
+        for proc, cmd in zip(procs, commands):
+            out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+            results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+def json_tokens(result: subprocess.CompletedProcess) -> list[list[int]]:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line)["token_ids"] for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def test_torchrun_on_one_host_generates_the_embedded_tokens(tiny_model, single_rank):
+    folder = tiny_model("llama")
+    (result,) = run_all([generate_command(folder, ["--standalone", "--nproc-per-node", "2"])])
+    assert json_tokens(result) == single_rank("llama")[1]
+
+
+def test_two_hosts_through_torchrun_rendezvous_generate_the_embedded_tokens(tiny_model, single_rank):
+    folder = tiny_model("llama")
+    endpoint = f"127.0.0.1:{free_loopback_port()}"
+    hosts = [generate_command(folder, ["--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "1",
+                                       "--rdzv-endpoint", endpoint]) for k in (0, 1)]
+    host0, host1 = run_all(hosts)
+    assert json_tokens(host0) == single_rank("llama")[1]  # rank 0 (host 0) drives the engine and prints
+    assert host1.returncode == 0 and json_tokens(host1) == []  # rank 1 serves its shard silently
