@@ -25,20 +25,24 @@ def _sizes(text: str) -> list[int]:
     return values
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def _render(plan: Any) -> list[str]:
     d = plan.to_dict()
     kv = d["kv"]
-    millions = d["params_per_rank"] / 1e6
-    lines = [f"memory plan: {d['architecture']} ({d['num_params'] / 1e6:.2f} M params) in {d['dtype']}, "
+    activation = ("warm-up step" if d["activation_source"] == "measured" else "estimated from shapes, step")
+    lines = [f"memory plan: {d['architecture']} ({_count(d['num_params'])} params) in {d['dtype']}, "
              f"parallel.tensor_size={d['tensor_size']}, per rank",
              f"  model: {d['model']}", ""]
     rows = [
         ("device memory", d["device_memory"], d["device_memory_source"]),
         (f"reserve (1 - cache.memory_fraction={d['memory_fraction']})", d["reserve"], "left alone"),
         ("usable", d["usable"], "memory_fraction × device memory"),
-        ("  weights", d["weights"], f"{millions:.2f} M params × {d['bytes_per_param']} B"
+        ("  weights", d["weights"], f"{_count(d['params_per_rank'])} params × {d['bytes_per_param']} B"
                                     + (" (as loaded)" if d["weight_source"] == "loaded" else "")),
-        ("  activation peak", d["activations"], f"{d['activation_source']}, step of {d['warm_up_tokens']} tokens"),
+        ("  activation peak", d["activations"], f"{activation} of {d['warm_up_tokens']} tokens"),
         ("  comm buffers", d["comm_buffers"], f"comm={d['comm']}"),
         ("  KV cache", d["kv_cache"], "what remains"),
     ]

@@ -53,6 +53,26 @@ def _run_stage(ctx: DoctorContext, result: StageResult, run: Callable[[DoctorCon
             result.failure = blame(exc)
     finally:
         result.seconds = time.perf_counter() - started
+    if result.failure is not None and result.failure.repro is None and result.number in _GENERIC_REPROS:
+        result.failure.repro = _write_generic_repro(ctx, result)
+
+
+#: repro kinds for stages whose checks need no recorded inputs
+_GENERIC_REPROS = {1: "device", 2: "plugins"}
+
+
+def _write_generic_repro(ctx: DoctorContext, result: StageResult) -> str | None:
+    from kunlun_infer.tools.repro import Repro, write_repro
+
+    f = result.failure
+    repro = Repro(kind=_GENERIC_REPROS[result.number], stage=result.number, stage_name=result.name,
+                  subject=f.plugin or _GENERIC_REPROS[result.number], summary=f.message, layer=f.layer,
+                  plugin=f.plugin, hook=f.hook, overrides=list(ctx.overrides), modules=list(ctx.modules),
+                  versions=ctx.plugin_versions())
+    try:
+        return str(write_repro(repro, ctx.repro_dir))
+    except OSError:  # an unwritable repro folder must not hide the finding itself
+        return None
 
 
 def run_doctor(overrides: Sequence[str] = (), *, modules: Sequence[str] = (), plugin_manager: Any = None,

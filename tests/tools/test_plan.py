@@ -1,0 +1,106 @@
+"""``kunlun-infer plan``: the figures follow the memory formula, and the engine allocates what the plan says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.tools.fixed_memory_plugin import CAPACITY
+
+GIB = 2**30
+#: Llama-2-7B's config.json fields that size it (its published parameter count is 6,738,415,616)
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+            "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "torch_dtype": "float16"}
+
+
+@pytest.fixture
+def llama_7b_config(tmp_path):
+    """A model folder holding only config.json: the plan must not need weights."""
+    folder = tmp_path / "llama-7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_7B))
+    return folder
+
+
+def test_plan_for_a_card_you_do_not_have_follows_the_formula(cli, llama_7b_config):
+    result = cli("plan", f"model.path={llama_7b_config}", "--device-memory", "80GiB", "--json")
+    assert result.code == 0, result.err
+    plan = result.json()
+    layers, kv_heads, head_dim, fp16 = 32, 32, 128, 2
+    assert plan["num_params"] == 6_738_415_616
+    assert plan["weights"] == 6_738_415_616 * fp16
+    assert plan["kv"]["bytes_per_token"] == 2 * layers * kv_heads * head_dim * fp16
+    assert plan["kv"]["bytes_per_block"] == 16 * plan["kv"]["bytes_per_token"]
+    usable = int(0.9 * 80 * GIB)
+    assert plan["reserve"] == 80 * GIB - usable
+    assert plan["activation_source"] == "estimated" and plan["activations"] > 0
+    by_memory = (usable - plan["weights"] - plan["activations"] - plan["comm_buffers"]) // plan["kv"]["bytes_per_block"]
+    assert plan["blocks_by_memory"] == by_memory
+    blocks_per_seq = 4096 // 16
+    assert plan["num_blocks"] == min(by_memory, 16 * blocks_per_seq)  # capped by scheduler.max_num_seqs=16
+    assert plan["max_concurrency"] == by_memory // blocks_per_seq
+
+
+def test_plan_per_tensor_parallel_rank(cli, llama_7b_config):
+    result = cli("plan", f"model.path={llama_7b_config}", "device_memory=80GiB", "parallel.tensor_size=2",
+                 "scheduler.max_num_seqs=256", "--json")
+    assert result.code == 0, result.err
+    plan = result.json()
+    norms = 32 * 2 * 4096 + 4096  # RMSNorm weights are replicated on every rank
+    assert plan["params_per_rank"] == (6_738_415_616 - norms) // 2 + norms
+    assert plan["kv"]["num_kv_heads_per_rank"] == 16
+    assert plan["kv"]["bytes_per_token"] == 2 * 32 * 16 * 128 * 2
+    tp1 = cli("plan", f"model.path={llama_7b_config}", "device_memory=80GiB", "scheduler.max_num_seqs=256",
+              "--json").json()
+    assert plan["max_concurrency"] > 2 * tp1["max_concurrency"]  # half the weights and half the KV per rank
+
+
+def test_plan_compares_tensor_sizes_in_text(cli, llama_7b_config):
+    result = cli("plan", f"model.path={llama_7b_config}", "--device-memory=24GiB", "tensor_sizes=1,2,4")
+    assert result.code == 0, result.err
+    assert "KV per token: 2 × 32 layers × 32 KV heads × 128 head dim × 2 B = 512.00 KiB" in result.out
+    assert "concurrency at model.max_model_len=4096:" in result.out
+    rows = [line.split() for line in result.out.splitlines() if line.strip()[:1] in ("1", "2", "4")
+            and "GiB" in line]
+    assert [row[0] for row in rows] == ["1", "2", "4"]
+
+
+def test_plan_says_when_nothing_fits(cli, llama_7b_config):
+    result = cli("plan", f"model.path={llama_7b_config}", "device_memory=8GiB")
+    assert result.code == 1
+    assert "none fit" in result.out
+
+
+def test_plan_refuses_a_malformed_device_memory(cli, llama_7b_config):
+    result = cli("plan", f"model.path={llama_7b_config}", "device_memory=lots")
+    assert result.code == 2
+    assert "device_memory='lots' is not a size" in result.err
+
+
+def test_engine_allocates_the_planned_kv_blocks(cli, tiny_model):
+    import tests.tools.fixed_memory_plugin as module
+    from kunlun_infer.engine.engine import LLMEngine
+    from kunlun_infer.runtime import PluginManager, Runtime, compose_config
+
+    overrides = ["device=fixedmem", f"model.path={tiny_model}", "model.max_model_len=512",
+                 "scheduler.max_num_seqs=256", "scheduler.max_num_batched_tokens=64"]
+    result = cli("plan", "register=tests.tools.fixed_memory_plugin", *overrides, "--json")
+    assert result.code == 0, result.err
+    plan = result.json()
+    assert plan["device_memory"] == CAPACITY and plan["activation_source"] == "measured"
+    assert plan["blocks_by_memory"] < plan["blocks_by_concurrency"]  # memory, not concurrency, decides
+
+    manager = PluginManager.load()
+    manager.register(module)
+    cfg = compose_config(overrides, plugin_manager=manager)
+    with Runtime.from_config(cfg, plugin_manager=manager) as runtime:
+        engine = LLMEngine(cfg, runtime=runtime)
+        try:
+            allocated = engine.stats()["kv_blocks_total"]
+            assert engine.runner.model.weight_nbytes() == plan["weights"]
+        finally:
+            engine.close()
+    assert abs(allocated - plan["num_blocks"]) <= 0.01 * plan["num_blocks"]
