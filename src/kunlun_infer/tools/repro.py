@@ -170,7 +170,7 @@ def write_repro(repro: Repro, directory: str | Path) -> Path:
         f"MODULES = {list(repro.modules)!r}",
     ]
     lines += [f"{name} = {value!r}" for name, value in repro.constants.items()]
-    text = "\n".join(lines) + "\n\n" + _BODIES[repro.kind].lstrip("\n")
+    text = "\n".join(lines) + "\n\n\n" + _BODIES[repro.kind].lstrip("\n")
     if repro.tensors is not None:
         save_file({k: v.detach().cpu().contiguous() for k, v in repro.tensors.items()},
                   str(path.with_suffix(".safetensors")))

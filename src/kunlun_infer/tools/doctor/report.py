@@ -86,7 +86,8 @@ class DoctorReport:
         lines = []
         for s in self.stages:
             mark = {PASS: "PASS", FAIL: "FAIL", NOT_APPLICABLE: "N/A ", NOT_RUN: "----"}[s.status]
-            timing = f" ({s.seconds:.2f} s)" if s.status in (PASS, FAIL, NOT_APPLICABLE) else ""
+            took = f"{s.seconds:.2f} s" if s.seconds >= 1 else f"{s.seconds * 1e3:.0f} ms"
+            timing = f" ({took})" if s.status in (PASS, FAIL, NOT_APPLICABLE) else ""
             suffix = f": {s.reason}" if s.status == NOT_APPLICABLE and s.reason else ""
             lines.append(f"[{mark}] stage {s.number}: {s.name}{timing}{suffix}")
             if s.status in (PASS, FAIL):

@@ -23,13 +23,11 @@ NAME = "chosen plugins load; versions and hook API match"
 
 
 def _culprit(ctx: DoctorContext) -> Any:
-    """The load error behind a failed composition: the one named by a capability choice, else the first."""
-    choices = capability_choices(ctx.overrides)
-    for capability, option in choices.items():
+    """The load error behind a failed composition, and the capability choice it breaks (if one does)."""
+    for capability, option in capability_choices(ctx.overrides).items():
         if option not in ctx.manager.options(capability):
-            error = ctx.manager.load_error_for(option)
-            if error is not None:
-                return capability, option, error
+            error = ctx.manager.load_error_for(option) or ctx.manager.load_errors[0]
+            return capability, option, error
     return None, None, ctx.manager.load_errors[0]
 
 
@@ -47,7 +45,8 @@ def loading_failure(ctx: DoctorContext, cause: BaseException | None = None) -> F
     if capability:
         others = ctx.manager.options(capability)
         steps.append(f"or choose another {capability} option: {', '.join(others) or 'none available'}")
-    steps.append(f"or leave it out with KUNLUN_INFER_DISABLE_PLUGINS={error.name}")
+    if error.distribution is not None:
+        steps.append(f"or leave it out with KUNLUN_INFER_DISABLE_PLUGINS={error.name}")
     return Failure(layer="plugin", message=message, plugin=plugin, hook=error.error.hook or "load",
                    next_steps=steps)
 
