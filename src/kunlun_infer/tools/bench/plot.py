@@ -5,10 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kunlun_infer.errors import KunlunInferError
+
 
 def plot_sweep(sweep: dict[str, Any], path: str | Path) -> Path:
     """Write the PNG for a sweep dict (as :func:`kunlun_infer.tools.bench.sweep.sweep_to_dict` makes it)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise KunlunInferError("the sweep plot needs matplotlib: pip install 'kunlun-infer[bench]'") from None
 
     matplotlib.use("Agg", force=True)  # files only, never a window
     import matplotlib.pyplot as plt
@@ -34,6 +39,7 @@ def plot_sweep(sweep: dict[str, Any], path: str | Path) -> Path:
             ax.set_xlabel(sweep["key"])
             if numeric and max(xs) / min(xs) >= 8:
                 ax.set_xscale("log", base=2)
+                ax.set_xticks(xs, [str(x) for x in xs])  # the swept values, not powers of two
             if knee is not None:
                 ax.axvline(knee["value"], color="grey", linestyle="--", linewidth=1,
                            label=f"knee: {sweep['key']}={knee['value']}")
