@@ -1,0 +1,46 @@
+"""``kunlun-infer serve [overrides…]``: the OpenAI-compatible HTTP server.
+
+Binds ``server.host`` (127.0.0.1 unless told otherwise) and ``server.port``;
+``server.max_queue`` bounds the requests that may wait for a batch slot and
+``server.model_name`` names the model in the API. Stops gracefully on
+Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+from kunlun_infer.commands.base import Command, Invocation
+from kunlun_infer.errors import KunlunInferError
+
+
+def run(inv: Invocation) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise KunlunInferError(f"serve needs fastapi and uvicorn ({exc.name} is missing): "
+                               f"pip install 'kunlun-infer[serve]'") from None
+    from kunlun_infer.server import model_name_for, serve
+
+    cfg = inv.config()
+
+    def ready(host: str, port: int) -> None:
+        shown = f"[{host}]" if ":" in host else host
+        inv.print(f"serving '{model_name_for(cfg)}' on http://{shown}:{port}  (OpenAI API under /v1; "
+                  f"/health, /metrics; Ctrl-C to stop)", flush=True)
+
+    serve(cfg, on_ready=ready)
+    return 0
+
+
+COMMAND = Command(
+    name="serve",
+    summary="Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics).",
+    run=run,
+    description="""
+Endpoints: POST /v1/completions, POST /v1/chat/completions (stream=true for
+server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus).
+Examples:
+  kunlun-infer serve
+  kunlun-infer serve model.path=/models/qwen2 server.port=9000 server.max_queue=64
+""",
+)

@@ -1,0 +1,247 @@
+"""The FastAPI application: OpenAI routes over one :class:`EngineLoop`.
+
+``/v1/completions`` and ``/v1/chat/completions`` (``stream=true`` answers
+with server-sent events), ``/v1/models``, ``/health`` and ``/metrics``.
+Request bodies are parsed here rather than by FastAPI so that every refusal
+— malformed JSON, a bad field, an unknown model, a full queue — has the
+OpenAI error shape. Handlers tokenize and validate on the event loop (cheap,
+read-only) and hand token ids to the engine loop; a stream whose client goes
+away, or a non-streaming request whose connection drops, is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kunlun_infer.errors import RequestError
+from kunlun_infer.server.engine_loop import EngineLoop, EngineUnavailableError, ServerBusyError
+from kunlun_infer.server.generation import Generation
+from kunlun_infer.server.metrics import ServerMetrics
+from kunlun_infer.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error
+from kunlun_infer.server.responses import DONE, ChatBuilder, CompletionBuilder, TokenText, sse
+
+log = logging.getLogger("kunlun_infer.framework")
+
+#: completions default, as in the OpenAI API
+DEFAULT_MAX_TOKENS = 16
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; ``on_close`` runs however the stream ends (finished, client gone, error)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class ServerState:
+    """What the routes share: the engine loop, metrics, the served model's name and its chat template."""
+
+    def __init__(self, engine: Any, *, model_name: str, max_queue: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = ServerMetrics(lambda: self.loop.stats, lambda: self.loop.num_queued)
+        self.loop = EngineLoop(engine, max_queue=max_queue, metrics=self.metrics)
+        self.token_text = TokenText(engine.tokenizer)
+        self.created = int(time.time())
+        self._chat_template: Any = None
+
+    def chat_template(self) -> Any:
+        from kunlun_infer.chat import engine_chat_template
+
+        if self._chat_template is None:
+            self._chat_template = engine_chat_template(self.engine)
+        return self._chat_template
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           status=404, param="model", code="model_not_found")
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestError):
+        return ApiError.from_request_error(exc)
+    if isinstance(exc, ServerBusyError):
+        return ApiError(str(exc), status=429, type="server_overloaded", code="queue_full")
+    if isinstance(exc, EngineUnavailableError):
+        return ApiError(str(exc), status=503, type="server_unavailable", code="engine_unavailable")
+    log.exception("request failed", exc_info=exc)
+    return ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="server_error")
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engine: bool = False) -> FastAPI:
+    """An app serving ``engine`` (started and stopped with the app's lifespan; closed too if ``close_engine``)."""
+    state = ServerState(engine, model_name=model_name, max_queue=max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.loop.shutdown)
+            if close_engine:
+                engine.close()
+
+    app = FastAPI(title="kunlun-infer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    def count(endpoint: str, status: int) -> None:
+        with state.metrics.lock:
+            state.metrics.http_requests.inc(endpoint=endpoint, status=str(status))
+
+    async def answer(endpoint: str, handler: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            response = await handler()
+        except Exception as exc:  # noqa: BLE001 - every failure gets the OpenAI error shape
+            api_error = as_api_error(exc)
+            if api_error.status == 429:
+                with state.metrics.lock:
+                    state.metrics.requests_rejected.inc(reason="queue_full")
+            response = error_response(api_error)
+        count(endpoint, response.status_code)
+        return response
+
+    async def run(request: Request, generation: Generation, builder: Any, stream: bool,
+                  include_usage: bool) -> Response:
+        generation.start()
+        if stream:
+            return EventStream(_events(generation, builder, include_usage), generation.abort_unfinished)
+        collect = asyncio.ensure_future(_drain(generation))
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client went away first
+                collect.cancel()
+                generation.abort_unfinished()
+        if collect.cancelled():
+            return Response(status_code=499)
+        collect.result()
+        return JSONResponse(builder.response(generation.finals, generation.usage))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        async def handle() -> Response:
+            req = await parse_body(request, CompletionRequest)
+            state.check_model(req.model)
+            prompts = [engine.tokenize(p)[1] for p in req.prompts()]
+            params = req.sampling_params(max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs)
+            for ids in prompts:
+                engine.validate(ids, params)
+            builder = CompletionBuilder(state.model_name, state.token_text, req.logprobs or 0)
+            return await run(request, Generation(state.loop, prompts, params), builder, req.stream,
+                             req.include_usage)
+
+        return await answer("/v1/completions", handle)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        async def handle() -> Response:
+            from kunlun_infer.chat import encode_prompt
+
+            req = await parse_body(request, ChatCompletionRequest)
+            state.check_model(req.model)
+            text = state.chat_template().render(req.template_messages(), tools=req.tools,
+                                                add_generation_prompt=req.add_generation_prompt,
+                                                **(req.chat_template_kwargs or {}))
+            ids = encode_prompt(engine.tokenizer, text)
+            room = engine.max_model_len - len(ids)
+            if room < 1:
+                raise ApiError(f"messages: the conversation is {len(ids)} tokens, at least model.max_model_len "
+                               f"({engine.max_model_len}); shorten it", param="messages")
+            max_tokens = req.max_completion_tokens or req.max_tokens or room
+            params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs_count())
+            engine.validate(ids, params)
+            builder = ChatBuilder(state.model_name, state.token_text, req.top_logprobs or 0)
+            return await run(request, Generation(state.loop, [ids], params), builder, req.stream,
+                             req.include_usage)
+
+        return await answer("/v1/chat/completions", handle)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kunlun-infer",
+                "max_model_len": engine.max_model_len}
+        count("/v1/models", 200)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = state.loop.alive
+        count("/health", 200 if ok else 503)
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": state.loop.failure or "shutting down"}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(ApiError(str(exc.detail), status=exc.status_code, type=kind))
+
+    return app
+
+
+async def _drain(generation: Generation) -> None:
+    async for _ in generation.outputs():
+        pass
+
+
+async def _events(generation: Generation, builder: Any, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body; an error after the stream began is sent as an error event before ``[DONE]``."""
+    try:
+        for chunk in getattr(builder, "role_chunks", lambda n: [])(generation.num_choices):
+            yield sse(chunk)
+        async for index, output in generation.outputs():
+            chunk = builder.chunk(index, output)
+            if chunk is not None:
+                yield sse(chunk)
+        if include_usage:
+            yield sse(builder.usage_chunk(generation.usage))
+    except Exception as exc:  # noqa: BLE001 - the status line is already sent
+        yield sse(as_api_error(exc).body())
+    yield DONE

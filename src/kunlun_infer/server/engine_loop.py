@@ -1,0 +1,215 @@
+"""One thread drives the engine for every HTTP connection: continuous batching behind an asyncio server.
+
+The engine is driven from one thread only (its contract), so HTTP handlers
+never touch it: :meth:`EngineLoop.submit` and :meth:`EngineLoop.abort` put
+work in a locked inbox and wake the loop thread, which adds and aborts
+requests between steps, runs :meth:`LLMEngine.step` while anything is
+unfinished, and hands each :class:`RequestOutput` to the asyncio queue of
+the handler that owns the request (``call_soon_threadsafe``). Requests that
+arrive while others run join the next step's batch.
+
+Admission is bounded: at most ``scheduler.max_num_seqs + server.max_queue``
+requests are in flight; one more is refused at once with
+:class:`ServerBusyError` (HTTP 429) instead of growing the queue without
+limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from kunlun_infer.engine.outputs import RequestOutput
+from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.errors import KunlunInferError, WorkerError
+
+log = logging.getLogger("kunlun_infer.framework")
+
+_IDLE_WAIT_S = 0.5
+
+
+class ServerBusyError(KunlunInferError):
+    """The bounded queue is full; the client should retry later."""
+
+
+class EngineUnavailableError(KunlunInferError):
+    """The engine loop has stopped (shutting down, or the engine failed)."""
+
+
+@dataclasses.dataclass
+class _Submission:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class EngineLoop:
+    """Owns the thread that steps ``engine``; thread-safe ``submit``/``abort`` for the HTTP side."""
+
+    def __init__(self, engine: Any, *, max_queue: int, metrics: Any = None) -> None:
+        self.engine = engine
+        self.capacity = int(engine.scheduler.max_num_seqs) + int(max_queue)
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._inbox: deque[_Submission] = deque()
+        self._aborts: deque[str] = deque()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        #: requests accepted and not finished: request id -> submission (touched under the lock)
+        self._in_flight: dict[str, _Submission] = {}
+        #: samples still running per request (loop thread only)
+        self._samples_left: dict[str, int] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="kunlun-infer-engine-loop", daemon=True)
+        #: why the loop stopped serving, if it failed
+        self.failure: str | None = None
+        #: the error of the latest failed step (its requests were aborted)
+        self.last_step_error: str | None = None
+        #: the engine's stats after the latest step (read by /metrics and /health)
+        self.stats: dict[str, Any] = dict(engine.stats())
+
+    # ------------------------------------------------------------------ the HTTP side (any thread)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None and not self._stopping
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not yet handed to the engine."""
+        return len(self._inbox)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
+               request_id: str | None = None) -> str:
+        """Queue a request; its outputs (or an exception) arrive in ``queue`` as ``(request_id, item)``.
+
+        Call from the event loop that awaits ``queue``. Raises
+        :class:`ServerBusyError` when full, :class:`EngineUnavailableError`
+        when the loop no longer serves.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if not self.alive:
+                raise EngineUnavailableError(self.failure or "the server is shutting down")
+            if len(self._in_flight) >= self.capacity:
+                raise ServerBusyError(
+                    f"the server is at capacity: {len(self._in_flight)} requests in flight (scheduler.max_num_seqs"
+                    f" + server.max_queue = {self.capacity}); retry later")
+            request_id = request_id or f"req-{next(self._ids)}"
+            submission = _Submission(request_id, prompt_token_ids, params, loop, queue)
+            self._in_flight[request_id] = submission
+            self._inbox.append(submission)
+        self._wakeup.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (its client went away); its KV blocks are freed before the next step."""
+        with self._lock:
+            if request_id not in self._in_flight:
+                return
+            self._aborts.append(request_id)
+        self._wakeup.set()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort what is left, stop the thread and wait for it. The engine itself stays open."""
+        with self._lock:
+            self._stopping = True
+            self._aborts.extend(self._in_flight)
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wakeup.clear()
+                self._take_inbox()
+                if self._stopping and not self.engine.has_unfinished():
+                    break
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    continue
+                self._step()
+        except BaseException as exc:  # noqa: BLE001 - every waiting client must hear about it
+            self.failure = f"the engine loop stopped: {type(exc).__name__}: {exc}"
+            log.exception("engine loop failed")
+            self._fail_all(EngineUnavailableError(self.failure))
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            submissions, self._inbox = list(self._inbox), deque()
+            aborts, self._aborts = list(self._aborts), deque()
+        for sub in submissions:
+            try:
+                self.engine.add_request(sub.prompt_token_ids, sub.params, request_id=sub.request_id)
+            except Exception as exc:  # noqa: BLE001 - a bad request is refused alone
+                self._done(sub.request_id)
+                self._deliver(sub, exc)
+            else:
+                self._samples_left[sub.request_id] = sub.params.n
+        for request_id in aborts:
+            self.engine.abort(request_id)  # its "abort" outputs come with the next step
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except WorkerError:
+            raise  # the engine cannot step any more
+        except KunlunInferError as exc:  # the step's requests were aborted; their outputs come next step
+            log.error("engine step failed: %s", exc)
+            self.last_step_error = str(exc)
+            return
+        self.stats = self.engine.stats()
+        if self.metrics is not None:
+            # sequences that produced a token in this step: the batch as a client sees it
+            self.metrics.observe_step(time.monotonic() - started,
+                                      sum(1 for o in outputs if o.finish_reason != "abort"))
+        for output in outputs:
+            with self._lock:
+                sub = self._in_flight.get(output.request_id)
+            if sub is None:
+                continue
+            if output.finished:
+                if self.metrics is not None:
+                    self.metrics.observe_finished(output)
+                self._samples_left[output.request_id] -= 1
+                if self._samples_left[output.request_id] == 0:
+                    self._done(output.request_id)
+            self._deliver(sub, output)
+
+    def _done(self, request_id: str) -> None:
+        self._samples_left.pop(request_id, None)
+        with self._lock:
+            self._in_flight.pop(request_id, None)
+
+    @staticmethod
+    def _deliver(sub: _Submission, item: RequestOutput | BaseException) -> None:
+        try:
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (sub.request_id, item))
+        except RuntimeError:  # the handler's event loop is closed: nobody is listening
+            pass
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            subs, self._in_flight = list(self._in_flight.values()), {}
+            self._inbox.clear()
+        for sub in subs:
+            self._deliver(sub, exc)

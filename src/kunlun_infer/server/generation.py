@@ -1,0 +1,80 @@
+"""One HTTP request's generation: its engine requests, their outputs as they come, and cleanup.
+
+A completions call with several prompts, or ``n`` samples, fans out into
+engine requests whose outputs share one asyncio queue. Each output is
+tagged with its OpenAI choice index (``prompt_index * n + sample index``).
+Whatever way the HTTP exchange ends — finished, client gone, server error
+— :meth:`Generation.abort_unfinished` stops what is still running, so a
+client that disconnects frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kunlun_infer.engine.outputs import RequestOutput
+from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.errors import RequestError
+from kunlun_infer.server.protocol import ApiError
+
+
+class Generation:
+    """The engine requests behind one HTTP request. Build, :meth:`start`, then iterate :meth:`outputs`."""
+
+    def __init__(self, engine_loop: Any, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.engine_loop = engine_loop
+        self.prompts = prompts
+        self.params = params
+        self.queue: asyncio.Queue = asyncio.Queue()
+        #: engine request id -> prompt index
+        self.request_ids: dict[str, int] = {}
+        self._samples_left = len(prompts) * params.n
+        self.finals: dict[int, RequestOutput] = {}
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+    def start(self) -> None:
+        """Submit every prompt; if one is refused (queue full), the ones already in are aborted."""
+        try:
+            for index, ids in enumerate(self.prompts):
+                self.request_ids[self.engine_loop.submit(ids, self.params, self.queue)] = index
+        except BaseException:
+            self.abort_unfinished()
+            raise
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(choice index, output)`` as the engine produces them, until every choice finished."""
+        while self._samples_left:
+            request_id, item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.abort_unfinished()
+                if isinstance(item, RequestError):
+                    raise ApiError.from_request_error(item)
+                raise item
+            choice = self.request_ids[request_id] * self.params.n + item.index
+            if item.finished:
+                self._samples_left -= 1
+                self.finals[choice] = item
+                if item.finish_reason == "abort":
+                    self.abort_unfinished()
+                    reason = self.engine_loop.last_step_error or "the server stopped it"
+                    raise ApiError(f"the request was aborted: {reason}", status=500, type="server_error")
+            yield choice, item
+
+    def abort_unfinished(self) -> None:
+        """Abort every engine request of this generation that has not finished (idempotent)."""
+        finished_requests = {rid for rid, index in self.request_ids.items()
+                             if all(index * self.params.n + k in self.finals for k in range(self.params.n))}
+        for request_id in self.request_ids.keys() - finished_requests:
+            self.engine_loop.abort(request_id)
+        self._samples_left = 0
+
+    @property
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(o.token_ids) for o in self.finals.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,218 @@
+"""The OpenAI request bodies the server accepts, and how they become :class:`SamplingParams`.
+
+Bodies are parsed with pydantic; a field the API defines but this server
+does not act on is accepted only at its neutral value (``echo=false``, an
+empty ``logit_bias`` …), so a client never silently gets something other than
+what it asked for, and an unknown field is refused by name. Beyond the
+OpenAI fields, the usual engine extensions are accepted: ``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``. Every refusal is an :class:`ApiError` carrying the HTTP
+status and the OpenAI error body ``{"error": {"message", "type", "param",
+"code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.errors import KunlunInferError, RequestError
+
+
+class ApiError(KunlunInferError):
+    """A request the server refuses: HTTP ``status`` and the OpenAI error fields."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_request_error(cls, exc: RequestError) -> ApiError:
+        return cls(str(exc), param=exc.field)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # engine extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def check_neutral(self) -> None:
+        """Refuse OpenAI fields this server only supports at their neutral value."""
+        if self.logit_bias:
+            raise ApiError("logit_bias is not supported by this server; leave it out", param="logit_bias")
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; :class:`ApiError` naming the field for a bad value."""
+        self.check_neutral()
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
+                seed=self.seed, ignore_eos=self.ignore_eos,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
+                stop_token_ids=list(self.stop_token_ids or ()), logprobs=logprobs, n=self.n,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens)
+        except RequestError as exc:
+            raise ApiError.from_request_error(exc) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_neutral(self) -> None:
+        super().check_neutral()
+        if self.echo:
+            raise ApiError("echo=true is not supported by this server", param="echo")
+        if self.suffix:
+            raise ApiError("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(f"best_of must equal n ({self.n}) on this server", param="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ApiError("prompt must not be an empty list", param="prompt")
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; fields besides ``role`` and ``content`` (``name``, ``tool_calls`` …) go to the template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        else:
+            message["content"] = self.content
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_neutral(self) -> None:
+        super().check_neutral()
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ApiError("response_format other than {'type': 'text'} is not supported by this server",
+                           param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+
+_UNION_HINTS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+                "stop": "a string or a list of strings",
+                "content": "a string or a list of {'type': 'text', 'text': ...} parts"}
+
+
+_TYPE_TAGS = ("str", "int", "float", "bool")
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS)
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    """``('messages', 0, 'content', 'str')`` -> ``'messages[0].content'`` (pydantic's union tags dropped)."""
+    param = ""
+    for part in loc:
+        if _is_union_tag(part):
+            break
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+    return param or None
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """The first problem of a pydantic error as an OpenAI 400, naming the field."""
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return ApiError(f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}",
+                        param="body")
+    if first["type"] == "model_type" and not first["loc"]:
+        return ApiError("the request body must be a JSON object", param="body")
+    param = _param_of(tuple(first["loc"]))
+    if first["type"] == "extra_forbidden":
+        return ApiError(f"unrecognized request argument: {param}", param=param)
+    if first["type"] == "missing":
+        return ApiError(f"{param} is required", param=param)
+    field = (param or "").rsplit(".", 1)[-1].split("[")[0]
+    if field in _UNION_HINTS and any(_is_union_tag(part) for part in first["loc"]):
+        return ApiError(f"{param} must be {_UNION_HINTS[field]}", param=param)
+    return ApiError(f"{param}: {first['msg']} (got {first.get('input')!r})", param=param)

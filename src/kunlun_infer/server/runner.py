@@ -1,0 +1,101 @@
+"""Run the server: build the engine from a config, bind ``server.host:server.port``, stop gracefully.
+
+On SIGINT/SIGTERM uvicorn stops accepting connections and gives running
+requests up to :data:`GRACEFUL_SHUTDOWN_S` to finish; then the engine loop
+aborts what is left and the engine is closed (KV cache, device, workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from kunlun_infer.errors import ConfigError
+
+log = logging.getLogger("kunlun_infer.framework")
+
+GRACEFUL_SHUTDOWN_S = 30
+
+
+def model_name_for(config: DictConfig) -> str:
+    """``server.model_name``, else the model folder's name (``default`` for the embedded model)."""
+    if config.server.model_name:
+        return str(config.server.model_name)
+    return Path(str(config.model.path)).name if config.model.path else "default"
+
+
+def check_server_config(config: DictConfig) -> None:
+    port, max_queue = int(config.server.port), int(config.server.max_queue)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"server.port={port} must be in [0, 65535] (0 = any free port)")
+    if max_queue < 0:
+        raise ConfigError(f"server.max_queue={max_queue} must be >= 0")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; :class:`ConfigError` naming the keys when that fails."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on server.host={host} server.port={port}: {exc.strerror}; "
+                          f"pick another port (server.port=…)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(config: DictConfig, *, on_ready: Any = None) -> None:
+    """Build the engine for ``config`` and serve it until interrupted. ``on_ready(host, port)`` once bound."""
+    import uvicorn
+
+    from kunlun_infer.engine.engine import LLMEngine
+    from kunlun_infer.server.app import build_app
+
+    check_server_config(config)
+    sock = bind(str(config.server.host), int(config.server.port))
+    try:
+        engine = LLMEngine.from_config(config)
+    except BaseException:
+        sock.close()
+        raise
+    app = build_app(engine, model_name=model_name_for(config), max_queue=int(config.server.max_queue),
+                    close_engine=True)
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                           log_config=None))
+    log.info("serving %s on http://%s:%d", model_name_for(config), host, port)
+    if on_ready is not None:
+        on_ready(host, port)
+    try:
+        with _stop_signals_end_quietly():
+            server.run(sockets=[sock])
+    finally:
+        sock.close()
+        engine.close()  # idempotent; the app's lifespan closed it unless start-up was interrupted
+
+
+@contextlib.contextmanager
+def _stop_signals_end_quietly() -> Iterator[None]:
+    """After uvicorn's graceful shutdown it re-raises SIGINT/SIGTERM; a stop asked for is a clean exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stops}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
