@@ -25,7 +25,7 @@ def test_defaults_follow_the_design(builtins_only):
     cfg = compose_config(plugin_manager=builtins_only)
     assert isinstance(cfg, DictConfig)
     assert [cfg[c].name for c in ("device", "memory", "ops", "comm", "streams")] == [
-        "cpu", "caching", "torch", "single", "sync"]
+        "cpu", "caching", "cpu", "single", "sync"]
     assert cfg.model.path is None and cfg.model.dtype == "auto"
     assert cfg.server.host == "127.0.0.1" and cfg.server.port == 8000
     assert cfg.comm.accumulate_dtype == "float32" and cfg.ops.strict is False

@@ -111,7 +111,9 @@ def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
 
 def shares_storage(packed: Any, weight: torch.Tensor) -> bool:
     """True when a packed weight is the loaded weight itself (no second copy to free)."""
-    return isinstance(packed, torch.Tensor) and packed.data_ptr() == weight.data_ptr()
+    if not isinstance(packed, torch.Tensor) or packed.layout != torch.strided:
+        return False  # an opaque layout (e.g. oneDNN-blocked) is always a copy of its own
+    return packed.data_ptr() == weight.data_ptr()
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

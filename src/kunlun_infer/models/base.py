@@ -83,7 +83,10 @@ class CausalLM(nn.Module):
         seen, total = set(), 0
         tensors = list(self.parameters()) + [getattr(m, "packed_weight", None) for m in self.modules()]
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.data_ptr() if t.layout == torch.strided else id(t)  # opaque layouts have no data pointer
+            if key not in seen:
+                seen.add(key)
                 total += t.numel() * t.element_size()
         return total

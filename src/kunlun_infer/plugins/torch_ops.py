@@ -1,14 +1,22 @@
-"""Built-in ops plugin ``torch``: every op of the table in plain torch, correct first.
+"""Built-in ops plugin ``torch-ops``: option ``torch`` (plain torch, any device) and ``cpu`` (tuned host kernels).
+
+Option ``torch`` is every op of the table in plain torch, correct first.
 
 Most kernels are the references themselves. ``paged_attention`` is
 vectorised: decode tokens (one query per sequence) of the whole batch run as
 one padded, masked scaled-dot-product attention; prefill and chunked-prefill
 sequences run one SDPA call each with a bottom-right causal mask. Low
 precision inputs are attended in float32, like the reference.
+
+Option ``cpu`` (the default config's choice) serves the host CPU with the
+kernels of :mod:`kunlun_infer.plugins.cpu_kernels` (oneDNN-prepacked bf16
+linear, batched grouped-query decode attention, fused norms); on a device
+whose tensors do not live on the host it is option ``torch``.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -18,9 +26,11 @@ from kunlun_infer import __version__
 from kunlun_infer.capabilities import Device, DictOpsProvider
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.plugins import cpu_kernels
 from kunlun_infer.plugins.cpu_device import stack_versions
 
 PLUGIN_NAME = "torch-ops"
+log = logging.getLogger(f"kunlun_infer.plugin.{PLUGIN_NAME}")
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -87,12 +97,21 @@ def make_torch_ops(*, config: Any, device: Device) -> DictOpsProvider:
     return DictOpsProvider(kernels(), name="torch")
 
 
+def make_cpu_ops(*, config: Any, device: Device) -> DictOpsProvider:
+    if device.torch_device.type != "cpu":
+        log.info("ops=cpu on device '%s' (tensors on %s): using the plain torch kernels", device.name,
+                 device.torch_device)
+        return make_torch_ops(config=config, device=device)
+    return DictOpsProvider(cpu_kernels.kernels(), name="cpu")
+
+
 @hookimpl
 def kunlun_infer_plugin_info() -> PluginInfo:
     return PluginInfo(name=PLUGIN_NAME, version=__version__, api=">=1.0,<2", capabilities=("ops",),
-                      stack=stack_versions(), description="every op in plain torch (any torch device)")
+                      stack=stack_versions(),
+                      description="every op in plain torch (any torch device); tuned host-CPU kernels (cpu)")
 
 
 @hookimpl
 def kunlun_infer_ops_factories() -> dict[str, Any]:
-    return {"torch": make_torch_ops}
+    return {"torch": make_torch_ops, "cpu": make_cpu_ops}
