@@ -167,3 +167,24 @@ def test_repro_docstring_survives_odd_messages(tmp_path):
     path = write_repro(repro, tmp_path)
     compile(path.read_text(), str(path), "exec")  # still valid Python
     assert textwrap.dedent("C:\\\\path") in path.read_text()
+
+
+def test_stage_1_a_device_that_does_not_open(cli, tmp_path, pytester):
+    result = cli("doctor", "register=tests.tools.unreachable_device_plugin", "device=unreachable", "--no-progress",
+                 "--repro-dir", tmp_path)
+    assert result.code == 1
+    assert headline(result.out, 1).startswith("[FAIL]") and headline(result.out, 2).startswith("[----]")
+    assert "failure (layer: plugin, plugin: broken-devices, hook: device.open)" in result.out
+    assert "no device found at /dev/fake0" in result.out
+    assert "check that the device is visible to this process" in result.out
+    repro = tmp_path / "test_kunlun_infer_repro_stage1_broken_devices.py"
+    pytester.runpytest(str(repro), "-p", "no:cacheprovider").assert_outcomes(failed=1)
+
+
+def test_stage_1_data_that_does_not_come_back_points_at_the_hardware(cli, tmp_path):
+    result = cli("doctor", "register=tests.tools.unreachable_device_plugin", "device=nowhere", "--no-progress",
+                 "--json", "--repro-dir", tmp_path)
+    assert result.code == 1
+    failure = result.json()["stages"][0]["failure"]
+    assert (failure["layer"], failure["plugin"]) == ("hardware", "broken-devices")
+    assert failure["hook"] == "Device.torch_device (host <-> device copy)"

@@ -37,11 +37,20 @@ def _fail(layer: str, message: str, plugin: str, hook: str, steps: list[str]) ->
     return StageFailed(Failure(layer=layer, message=message, plugin=plugin, hook=hook, next_steps=steps))
 
 
+def _copy_back(host: torch.Tensor, where: torch.device, plugin: str) -> torch.Tensor:
+    try:
+        return host.to(where).cpu()
+    except Exception as exc:  # noqa: BLE001 - torch talking to the device's stack failed
+        raise _fail("hardware", f"copying a {host.dtype} tensor to {where} and back failed: "
+                    f"{type(exc).__name__}: {exc}", plugin, "Device.torch_device (host <-> device copy)",
+                    [_VISIBLE, f"check that device plugin '{plugin}' names a torch device its stack provides"]) from exc
+
+
 def _round_trip(device: Any, plugin: str, result: StageResult) -> None:
     where = device.torch_device
     for dtype in sorted(device.supported_dtypes(), key=str):
         host = (torch.arange(4096, dtype=torch.float32) % 251 - 125).to(dtype)
-        back = host.to(where).cpu()
+        back = _copy_back(host, where, plugin)
         if back.dtype != dtype or not torch.equal(back, host):
             bad = int((back != host).sum()) if back.shape == host.shape else host.numel()
             raise _fail("hardware", f"a {dtype} tensor of {host.numel()} elements came back from {where} with "
