@@ -94,10 +94,10 @@ def run(inv: Invocation) -> int:
     from kunlun_infer.engine.workers import serve_torchrun_worker
     from kunlun_infer.runtime import Runtime
 
-    prompts = read_prompts(inv)
-    params = sampling_params(inv)
     if serve_torchrun_worker(inv.config()):  # under torchrun, ranks above 0 serve rank 0's engine
         return 0
+    prompts = read_prompts(inv)
+    params = sampling_params(inv)
     cfg = resolve_parallel_config(inv.config())
     runtime = Runtime.from_config(cfg, plugin_manager=inv.plugin_manager(), local_rank=local_rank())
     try:
