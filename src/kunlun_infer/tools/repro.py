@@ -166,7 +166,7 @@ def write_repro(repro: Repro, directory: str | Path) -> Path:
         "import torch",
         "",
         f"OVERRIDES = {list(repro.overrides)!r}",
-        f"#: plugin modules registered by code (plugins not installed as distributions)",
+        "#: plugin modules registered by code (plugins not installed as distributions)",
         f"MODULES = {list(repro.modules)!r}",
     ]
     lines += [f"{name} = {value!r}" for name, value in repro.constants.items()]

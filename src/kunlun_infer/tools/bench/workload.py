@@ -61,10 +61,6 @@ class Workload:
     requests: tuple[BenchRequest, ...]
     description: str
 
-    @property
-    def num_prompt_tokens_known(self) -> int:
-        return sum(len(r.prompt) for r in self.requests if isinstance(r.prompt, list))
-
 
 def synthetic_workload(num_prompts: int, input_len: LengthRange, output_len: LengthRange, *, vocab_size: int,
                        seed: int = 0) -> Workload:

@@ -18,8 +18,7 @@ import torch
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
 from kunlun_infer.testing import ConformanceError, check_op
 from kunlun_infer.tools.doctor.context import DoctorContext
-from kunlun_infer.tools.doctor.model_check import (find_culprit, mixed_table, run_logits, compare_logits,
-                                                   OpsRuntime)
+from kunlun_infer.tools.doctor.model_check import OpsRuntime, compare_logits, find_culprit, mixed_table, run_logits
 from kunlun_infer.tools.doctor.report import Failure, StageFailed, StageResult
 from kunlun_infer.tools.repro import Repro, write_repro
 

@@ -42,6 +42,7 @@ def run(ctx: DoctorContext, result: StageResult) -> None:
         comm = ctx.runtime.plugin_for("comm")
         raise StageFailed(Failure(
             layer="framework", message=message, repro=str(path), next_steps=[
-                f"rerun with ops=torch: if that passes, the ops plugin misbehaves on sharded shapes",
+                "rerun with ops=torch (plain-torch kernels): if that passes, the ops plugin misbehaves on sharded "
+                "shapes",
                 f"check comm.accumulate_dtype and the comm plugin '{comm}''s all_reduce on larger tensors"]))
     result.details.append(f"greedy tokens of {len(PROMPTS)} prompts identical at tensor_size={world} and 1")
