@@ -134,3 +134,23 @@ def test_shutdown_ends_open_streams_and_refuses_new_work(small_server):
     refused = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "x"}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
 
+
+
+def test_a_failed_engine_step_is_a_500_for_its_requests_and_the_server_serves_on(small_server, monkeypatch):
+    runner = small_server.engine.runner
+    real_compute = runner.compute
+    calls = []
+
+    def compute_failing_once(inputs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real_compute(inputs)
+
+    monkeypatch.setattr(runner, "compute", compute_failing_once)
+    failed = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    assert failed.status_code == 500
+    error = failed.json()["error"]
+    assert error["type"] == "server_error" and "simulated kernel failure" in error["message"]
+    ok = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and httpx.get(f"{small_server.url}/health").status_code == 200

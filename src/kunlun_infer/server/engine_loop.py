@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from kunlun_infer.engine.outputs import RequestOutput
@@ -173,15 +174,22 @@ class EngineLoop:
             outputs = self.engine.step()
         except WorkerError:
             raise  # the engine cannot step any more
-        except KunlunInferError as exc:  # the step's requests were aborted; their outputs come next step
+        except KunlunInferError as exc:  # the step's requests were ended; their outputs come next step
             log.error("engine step failed: %s", exc)
             self.last_step_error = str(exc)
+            if getattr(exc, "shut_down", False):  # the engine closed itself: hand out what it ended, then stop
+                self._dispatch(getattr(exc, "outputs", ()))
+                raise
             return
         self.stats = self.engine.stats()
         if self.metrics is not None:
             # sequences that produced a token in this step: the batch as a client sees it
             self.metrics.observe_step(time.monotonic() - started,
                                       sum(1 for o in outputs if o.finish_reason != "abort"))
+        self._dispatch(outputs)
+
+    def _dispatch(self, outputs: Iterable[RequestOutput]) -> None:
+        """Hand each output to the queue of the handler that owns its request."""
         for output in outputs:
             with self._lock:
                 sub = self._in_flight.get(output.request_id)

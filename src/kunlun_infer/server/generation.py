@@ -61,7 +61,8 @@ class Generation:
                 self.finals[choice] = item
                 if item.finish_reason == "abort":
                     self.abort_unfinished()
-                    reason = self.engine_loop.last_step_error or "the server stopped it"
+                    reason = (getattr(item, "error", None) or self.engine_loop.last_step_error
+                              or "the server stopped it")
                     raise ApiError(f"the request was aborted: {reason}", status=500, type="server_error")
             yield choice, item
 
