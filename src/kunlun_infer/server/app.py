@@ -186,10 +186,13 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
                                                 add_generation_prompt=req.add_generation_prompt,
                                                 **(req.chat_template_kwargs or {}))
             ids = encode_prompt(engine.tokenizer, text)
-            room = engine.max_model_len - len(ids)
+            # without max_tokens the answer may fill the context, as far as the KV cache can hold it
+            limit = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_size)
+            room = limit - len(ids)
             if room < 1:
-                raise ApiError(f"messages: the conversation is {len(ids)} tokens, at least model.max_model_len "
-                               f"({engine.max_model_len}); shorten it", param="messages")
+                raise ApiError(f"messages: the conversation is {len(ids)} tokens, leaving no room to answer "
+                               f"within {limit} tokens (model.max_model_len and the KV cache); shorten it",
+                               param="messages")
             max_tokens = req.max_completion_tokens or req.max_tokens or room
             params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs_count())
             engine.validate(ids, params)
