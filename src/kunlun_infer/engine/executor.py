@@ -175,24 +175,26 @@ class TensorParallelGroup:
 
     def _as_worker_error(self, exc: BaseException, what: str) -> WorkerError | None:
         """The ``WorkerError`` for ``exc``, or ``None`` when rank 0 itself failed (not a peer)."""
-        dead = self._dead_workers_after(exc)
+        from_comm = isinstance(exc, PluginError) and exc.plugin == self.runtime.plugin_for("comm")
+        timed_out = from_comm and _is_timeout(exc)
+        # a peer's closed connection can be seen a moment before its exit is: give the exit time to show
+        dead = self._dead_workers(wait_s=2.0 if from_comm and not timed_out else 0.0)
         if dead:
             return WorkerError(f"{'; '.join(dead)} (during {what}); {_RESTART}")
-        comm_plugin = self.runtime.plugin_for("comm")
-        if isinstance(exc, PluginError) and exc.plugin == comm_plugin:
-            cause = exc.__cause__ or exc
-            if "timed out" in str(cause).lower() or "timeout" in str(cause).lower():
-                return WorkerError(f"a tensor-parallel rank did not answer within comm.timeout_s={self.timeout_s:g}s "
-                                   f"during {what} (hung, or far slower than rank 0): {cause}; {_RESTART}")
+        cause = exc.__cause__ or exc
+        if timed_out:
+            return WorkerError(f"a tensor-parallel rank did not answer within comm.timeout_s={self.timeout_s:g}s "
+                               f"during {what} (hung, or far slower than rank 0): {cause}; {_RESTART}")
+        if from_comm:
             return WorkerError(f"a tensor-parallel collective failed during {what} ({cause}); a peer rank "
                                f"probably died; {_RESTART}")
         return None
 
-    def _dead_workers_after(self, exc: BaseException) -> list[str]:
+    def _dead_workers(self, wait_s: float) -> list[str]:
         if self.workers is None:
             return []
-        deadline = time.monotonic() + (0.5 if isinstance(exc, PluginError) else 0.0)
-        while True:  # a closed connection can be seen a moment before the child's exit
+        deadline = time.monotonic() + wait_s
+        while True:
             dead = self.workers.dead()
             if dead or time.monotonic() >= deadline:
                 return dead
@@ -242,6 +244,11 @@ class TensorParallelGroup:
             self.workers.close(grace_s=self.worker_timeout_s if stopped else 0.0)
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=1.0)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = f"{exc} {exc.__cause__ or ''}".lower()
+    return "timed out" in text or "timeout" in text
 
 
 class DriverRunner(ModelRunner):
