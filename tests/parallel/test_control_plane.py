@@ -16,14 +16,17 @@ from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.plugins.cpu_comm import GlooComm
 
 
-def step_inputs():
-    """A prefill chunk, a finished prompt and a decode, with blocks out of order."""
+def step_inputs(long_prompt: int = 0):
+    """A prefill chunk, a finished prompt and a decode, with blocks out of order (and a long prompt if asked)."""
+    shapes = [(40, 16, [7, 2, 9], 8), (5, 0, [4], 5), (21, 20, [0, 5], 1)]
+    if long_prompt:
+        shapes.append((long_prompt, 0, list(range(10, 10 + -(-long_prompt // 16))), long_prompt))
     seqs = []
-    for i, (length, computed, blocks) in enumerate([(40, 16, [7, 2, 9]), (5, 0, [4]), (21, 20, [0, 5])]):
+    for i, (length, computed, blocks, _) in enumerate(shapes):
         seq = Sequence(i, f"r{i}", list(range(100 + i, 100 + i + length)), SamplingParams())
         seq.num_computed_tokens, seq.block_table = computed, blocks
         seqs.append(seq)
-    return build_step_inputs(seqs, [8, 5, 1], block_size=16, device=torch.device("cpu"))
+    return build_step_inputs(seqs, [n for *_, n in shapes], block_size=16, device=torch.device("cpu"))
 
 
 def assert_same_step(got, sent):
@@ -44,8 +47,8 @@ def test_a_packed_step_unpacks_to_the_same_flat_batch():
 
 
 def test_messages_travel_over_gloo_to_a_worker(tmp_path):
-    """Rank 0 sends a load spec, a KV size, a step and stop; rank 1 receives them in order; both report status."""
-    sent, received, statuses = step_inputs(), [], {}
+    """Rank 0 sends a load spec, a KV size, steps and stop; rank 1 receives them in order; both report status."""
+    sent, big, received, statuses = step_inputs(), step_inputs(long_prompt=600), [], {}
 
     def rank(r):
         comm = GlooComm()
@@ -56,6 +59,7 @@ def test_messages_travel_over_gloo_to_a_worker(tmp_path):
             plane.send_heartbeat()
             plane.send_kv(12)
             plane.send_step(sent)
+            plane.send_step(big)  # too large to ride inside the message: a second broadcast
             plane.send_stop()
         else:
             while not received or received[-1].kind is not Kind.STOP:
@@ -69,9 +73,10 @@ def test_messages_travel_over_gloo_to_a_worker(tmp_path):
         t.start()
     for t in threads:
         t.join(60)
-    assert [m.kind for m in received] == [Kind.LOAD, Kind.HEARTBEAT, Kind.KV, Kind.STEP, Kind.STOP]
+    assert [m.kind for m in received] == [Kind.LOAD, Kind.HEARTBEAT, Kind.KV, Kind.STEP, Kind.STEP, Kind.STOP]
     assert received[0].spec == {"model_path": "/m", "dtype": "float32"} and received[2].num_blocks == 12
     assert_same_step(received[3].inputs, sent)
+    assert_same_step(received[4].inputs, big)
     for r in range(2):
         assert [(s.ok, s.free_bytes, s.error) for s in statuses[r]] == [
             (True, 1000, None), (False, 1001, "ModelLoadError: no room")]

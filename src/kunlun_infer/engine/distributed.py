@@ -1,14 +1,15 @@
 """The control plane of tensor parallelism: rank 0 tells the other ranks what to run, through the comm plugin.
 
-Every message starts with a fixed header of :data:`HEADER_LEN` int64 numbers,
-broadcast from rank 0 with ``comm.broadcast`` (so it travels over the same
-``torch.distributed`` group as the activations — gloo, NCCL or a chip's own).
-What follows depends on the kind:
+Every message is one broadcast from rank 0 with ``comm.broadcast`` (so it
+travels over the same ``torch.distributed`` group as the activations — gloo,
+NCCL or a chip's own) of a fixed-size int64 tensor: :data:`HEADER_LEN`
+numbers saying what to do, then room for :data:`INLINE_CAPACITY` numbers of
+payload. By kind:
 
-- ``STEP``: one more broadcast of an int64 payload holding the flat batch —
-  input ids, positions, KV slots, block tables, sequence lengths, query
-  starts, and which rows need logits. Every rank then runs the same forward;
-  only rank 0 samples.
+- ``STEP``: the payload is the flat batch — input ids, positions, KV slots,
+  block tables, sequence lengths, query starts, and which rows need logits;
+  a batch too large for the message follows in a second broadcast. Every
+  rank then runs the same forward; only rank 0 samples.
 - ``KV``: the number of KV blocks each rank should now hold (0 = none).
 - ``LOAD``: a ``comm.broadcast_object`` with what to load (folder, dtype, …),
   answered by :func:`exchange_status` once every rank has loaded.
@@ -28,6 +29,8 @@ import torch
 from kunlun_infer.engine.model_runner import StepInputs
 
 HEADER_LEN = 8
+#: payload numbers that travel inside the message (a decode step of dozens of sequences fits)
+INLINE_CAPACITY = 1024
 
 
 class Kind(enum.IntEnum):
@@ -75,6 +78,12 @@ def pack_step(inputs: StepInputs) -> tuple[list[int], torch.Tensor]:
     return header, torch.cat([part.to(torch.int64) for part in _step_parts(inputs)])
 
 
+def payload_size(header: list[int]) -> int:
+    """How many int64 numbers the payload of a ``STEP`` header holds."""
+    _, num_tokens, num_seqs, width, num_logits = header[:5]
+    return 3 * num_tokens + num_seqs * width + 2 * num_seqs + 1 + num_logits
+
+
 def unpack_step(header: list[int], payload: torch.Tensor) -> StepInputs:
     """The :class:`StepInputs` that :func:`pack_step` described (``sample_rows`` is unknown here: empty)."""
     from kunlun_infer.layers.attention import AttentionMetadata
@@ -97,41 +106,50 @@ class ControlPlane:
         self.comm = comm
         self.device = device
 
-    def _header(self, numbers: list[int]) -> None:
-        padded = [int(n) for n in numbers] + [0] * (HEADER_LEN - len(numbers))
-        self.comm.broadcast(torch.tensor(padded, dtype=torch.int64).to(self.device), 0)
+    def _send(self, numbers: list[int], payload: torch.Tensor | None = None) -> None:
+        message = torch.zeros(HEADER_LEN + INLINE_CAPACITY, dtype=torch.int64, device=self.device)
+        message[:len(numbers)] = torch.tensor([int(n) for n in numbers], dtype=torch.int64).to(self.device)
+        inline = payload is not None and payload.numel() <= INLINE_CAPACITY
+        if inline:
+            message[HEADER_LEN:HEADER_LEN + payload.numel()] = payload
+        self.comm.broadcast(message, 0)
+        if payload is not None and not inline:
+            self.comm.broadcast(payload.to(self.device), 0)
 
     # ------------------------------------------------------------------ rank 0
 
     def send_step(self, inputs: StepInputs) -> None:
         header, payload = pack_step(inputs)
-        self._header(header)
-        self.comm.broadcast(payload.to(self.device), 0)
+        self._send(header, payload.to(self.device))
 
     def send_kv(self, num_blocks: int) -> None:
-        self._header([Kind.KV, num_blocks])
+        self._send([Kind.KV, num_blocks])
 
     def send_load(self, spec: dict[str, Any]) -> None:
-        self._header([Kind.LOAD])
+        self._send([Kind.LOAD])
         self.comm.broadcast_object(spec, 0)
 
     def send_heartbeat(self) -> None:
-        self._header([Kind.HEARTBEAT])
+        self._send([Kind.HEARTBEAT])
 
     def send_stop(self) -> None:
-        self._header([Kind.STOP])
+        self._send([Kind.STOP])
 
     # ------------------------------------------------------------------ other ranks
 
     def receive(self) -> Message:
         """Wait for rank 0's next message (a collective: bounded by the comm's timeout)."""
-        header = self.comm.broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device), 0)
-        numbers = header.tolist()
+        message = torch.zeros(HEADER_LEN + INLINE_CAPACITY, dtype=torch.int64, device=self.device)
+        message = self.comm.broadcast(message, 0)
+        numbers = message[:HEADER_LEN].tolist()
         kind = Kind(numbers[0])
         if kind is Kind.STEP:
-            payload = torch.empty(3 * numbers[1] + numbers[2] * numbers[3] + 2 * numbers[2] + 1 + numbers[4],
-                                  dtype=torch.int64, device=self.device)
-            return Message(kind, inputs=unpack_step(numbers, self.comm.broadcast(payload, 0)))
+            size = payload_size(numbers)
+            if size <= INLINE_CAPACITY:
+                payload = message[HEADER_LEN:HEADER_LEN + size]
+            else:
+                payload = self.comm.broadcast(torch.empty(size, dtype=torch.int64, device=self.device), 0)
+            return Message(kind, inputs=unpack_step(numbers, payload))
         if kind is Kind.KV:
             return Message(kind, num_blocks=numbers[1])
         if kind is Kind.LOAD:
