@@ -88,6 +88,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     #: chunk long prompts into pieces under ``max_num_batched_tokens``
     chunked_prefill: bool = True
+    #: after a failed step (its requests end with an error): ``recover`` serves on, ``shutdown`` closes the engine
+    on_step_error: str = "recover"
 
 
 @dataclasses.dataclass

@@ -73,4 +73,19 @@ class WorkerError(KunlunInferError):
 
 
 class EngineStepError(KunlunInferError):
-    """A step failed inside the framework or a plugin; the requests of that step were ended."""
+    """A step failed inside the framework or a plugin; the requests of that step were ended.
+
+    ``outputs`` are the final outputs of the requests the failure ended, each
+    with ``error`` set. ``plugin``, ``hook`` and ``layer`` name what failed
+    (``plugin`` is ``None`` when the framework itself did). ``shut_down`` is
+    true when the engine closed itself (``scheduler.on_step_error=shutdown``).
+    """
+
+    def __init__(self, message: str, *, outputs: list | tuple = (), plugin: str | None = None,
+                 hook: str | None = None, layer: str = "framework", shut_down: bool = False) -> None:
+        super().__init__(message)
+        self.outputs = list(outputs)
+        self.plugin = plugin
+        self.hook = hook
+        self.layer = layer
+        self.shut_down = shut_down

@@ -8,10 +8,20 @@ a bad one is refused alone. The engine is driven from one thread. Plugins
 that implement the observability hooks hear about start, steps, finished
 requests and stop. A request for ``n`` samples gives one output per sample
 (``RequestOutput.index``); its samples share the prompt's KV blocks.
+
+A step that fails (a plugin raises in an op or a collective, the framework
+trips) ends the requests of that step with ``finish_reason="abort"`` and
+``error`` naming the plugin, hook and layer, frees their KV blocks and raises
+:class:`EngineStepError`. Then ``scheduler.on_step_error`` decides:
+``recover`` serves the next requests (the ended ones' outputs come with the
+next step, as an abort's do), ``shutdown`` ends every other request the same
+way and closes the engine. An observability plugin that fails is logged and
+never stops a step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -31,7 +41,7 @@ from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.engine.setup import (check_engine_config, choose_dtype, choose_max_model_len,
                                        measure_activation_bytes, model_dir)
-from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
+from kunlun_infer.errors import EngineStepError, KunlunInferError, PluginError, RequestError, WorkerError
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -62,6 +72,8 @@ class LLMEngine:
         self._num_finished = 0
         self._num_generated_tokens = 0
         self._num_computed_tokens = 0
+        #: why the engine closed itself after a failed step (``None`` while it serves)
+        self._shut_down_by: str | None = None
         try:
             self._start()
         except BaseException:
@@ -80,6 +92,7 @@ class LLMEngine:
 
         cfg, rt = self.config, self.runtime
         check_engine_config(cfg)
+        self.on_step_error = str(cfg.scheduler.get("on_step_error", "recover"))
         tensor_size = int(cfg.parallel.tensor_size)
         self.model_path = model_dir(cfg.model.path)
         self.model_config = arch = load_model_config(self.model_path)
@@ -128,7 +141,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    chunked_prefill=chunked)
         self._observe_steps = rt.plugins.has_observers("kunlun_infer_engine_step")
-        rt.plugins.engine_start({
+        self._notify(rt.plugins.engine_start, {
             "model": str(self.model_path), "dtype": str(self.dtype).removeprefix("torch."),
             "kv_blocks_total": num_blocks, "block_size": self.block_size, "tensor_size": tensor_size,
             "plugins": {c: rt.plugin_for(c) for c in ("device", "memory", "ops", "comm", "streams")},
@@ -168,6 +181,7 @@ class LLMEngine:
         """Refuse a request this engine cannot serve (``RequestError`` naming the field)."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
+        params = dataclasses.replace(params)  # checks again: fields may have been changed since it was built
         validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                         max_kv_tokens=self.block_manager.num_blocks * self.block_size)
         if params.n > self.scheduler.max_num_seqs:
@@ -179,12 +193,17 @@ class LLMEngine:
         """Queue a request (text or token ids); returns its id. Joins the running batch at the next step."""
         self._check_open()
         params = SamplingParams() if params is None else params
+        if isinstance(params, SamplingParams):
+            params = dataclasses.replace(params)  # the request's own checked copy: later edits cannot reach it
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
-        elif not isinstance(request_id, str) or not request_id or request_id in self._requests:
-            raise RequestError(f"request_id must be a new non-empty string, got {request_id!r}", field="request_id")
+            while self._in_use(request_id):  # a caller may have named one of its own like this
+                request_id = f"req-{next(self._request_ids)}"
+        elif not isinstance(request_id, str) or not request_id or self._in_use(request_id):
+            raise RequestError(f"request_id must be a non-empty string no unfinished or still unreported "
+                               f"request uses, got {request_id!r}", field="request_id")
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, self.eos_token_ids)
         states = [RequestState(seq, text, self.tokenizer, self._sample_generator(params, 0))]
         for index in range(1, params.n):  # forked off ``seq`` once its prompt is computed
@@ -196,6 +215,10 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
+    def _in_use(self, request_id: str) -> bool:
+        """True while ``request_id`` is unfinished or its abort is still to be reported."""
+        return request_id in self._requests or any(o.request_id == request_id for o in self._aborted_outputs)
+
     def _sample_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         """Sample ``index`` of a seeded request draws from its own stream (sample 0 from ``seed`` itself)."""
         if params.seed is None:
@@ -205,16 +228,23 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its KV blocks; its final output comes with the next step."""
+        return bool(self._end(request_id))
+
+    def _end(self, request_id: str, error: str | None = None) -> list[RequestOutput]:
+        """Abort every sample of ``request_id`` (with ``error`` set when a failure ended it); their outputs."""
         states = self._requests.pop(request_id, None)
         if states is None:
-            return False
+            return []
         now = time.monotonic()
+        ended = []
         for state in states:
             del self._states[state.seq.seq_id]
             self.scheduler.finish(state.seq, "abort")
-            self._finished(state.output(now), self._aborted_outputs)
+            state.error = error
+            ended.append(state.output(now))
+            self._finished(ended[-1], self._aborted_outputs)
         self._num_finished += 1
-        return True
+        return ended
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running (or an abort is still to be reported)."""
@@ -229,10 +259,18 @@ class LLMEngine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         batch = self.scheduler.schedule()
         if batch.seqs:
-            self._run(batch, started, outputs)
+            try:
+                self._run(batch, started, outputs)
+            except BaseException as exc:
+                # what this step was to return is not lost: it comes with the next step, or with the error
+                if isinstance(exc, EngineStepError) and exc.shut_down:
+                    exc.outputs[:0] = outputs
+                else:
+                    self._aborted_outputs[:0] = outputs
+                raise
         self._num_steps += 1
         if self._observe_steps:
-            self.runtime.plugins.engine_step({
+            self._notify(self.runtime.plugins.engine_step, {
                 "step": self._num_steps, "num_prefill_tokens": batch.num_prefill_tokens,
                 "num_decode_tokens": batch.num_decode_tokens, "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting), "kv_blocks_free": self.block_manager.num_free_blocks,
@@ -249,24 +287,20 @@ class LLMEngine:
         try:
             result = self.runner.execute(batch, [s.generator for s in states],
                                          {row: [c.generator for c in children] for row, children in forks.items()})
-        except WorkerError:  # a tensor-parallel rank is gone: no later step can run either
-            for state in states:
-                self.abort(state.request_id)
+            now = time.monotonic()
+            self._num_computed_tokens += batch.num_tokens
+            self.scheduler.update(batch, result.tokens, result.fork_tokens)
+            for row, token in result.tokens.items():
+                self._record(states[row], token, result.logprobs.get(row), now, outputs)
+                for child, child_token, logprobs in zip(forks.get(row, ()), result.fork_tokens.get(row, ()),
+                                                        result.fork_logprobs.get(row, ())):
+                    child.mark_scheduled(started)
+                    self._record(child, child_token, logprobs, now, outputs)
+        except WorkerError as exc:  # a tensor-parallel rank is gone: no later step can run either
+            self._step_failed(states, exc)
             raise
         except Exception as exc:
-            for state in states:
-                self.abort(state.request_id)
-            raise EngineStepError(f"step {self._num_steps + 1} failed ({type(exc).__name__}: {exc}); its "
-                                  f"{len(states)} request(s) were aborted") from exc
-        now = time.monotonic()
-        self._num_computed_tokens += batch.num_tokens
-        self.scheduler.update(batch, result.tokens, result.fork_tokens)
-        for row, token in result.tokens.items():
-            self._record(states[row], token, result.logprobs.get(row), now, outputs)
-            for child, child_token, logprobs in zip(forks.get(row, ()), result.fork_tokens.get(row, ()),
-                                                    result.fork_logprobs.get(row, ())):
-                child.mark_scheduled(started)
-                self._record(child, child_token, logprobs, now, outputs)
+            raise self._step_failed(states, exc) from exc
 
     def _record(self, state: RequestState, token: int, logprobs: dict[int, float] | None, now: float,
                 outputs: list[RequestOutput]) -> None:
@@ -291,7 +325,45 @@ class LLMEngine:
 
     def _finished(self, output: RequestOutput, outputs: list[RequestOutput]) -> None:
         outputs.append(output)
-        self.runtime.plugins.request_finished(output)
+        self._notify(self.runtime.plugins.request_finished, output)
+
+    @staticmethod
+    def _notify(hook: Any, payload: Any) -> None:
+        """Call an observability hook; a plugin failing there is logged, the step goes on."""
+        try:
+            hook(payload)
+        except PluginError as exc:
+            log.error("observer failed, ignored: %s", exc)
+
+    # ------------------------------------------------------------------ failed steps
+
+    def _step_failed(self, states: list[RequestState], exc: Exception) -> EngineStepError:
+        """End the failed step's requests with the error, then recover or shut down (``scheduler.on_step_error``)."""
+        step = self._num_steps + 1
+        if isinstance(exc, PluginError):
+            cause, plugin, hook, layer = str(exc), exc.plugin, exc.hook, exc.layer
+        else:
+            plugin, hook, layer = None, None, "framework"
+            cause = f"the framework failed (layer: framework): {type(exc).__name__}: {' '.join(str(exc).split())}"
+        error = f"step {step} failed: {cause}"
+        request_ids = list(dict.fromkeys(state.request_id for state in states))
+        outputs = [o for request_id in request_ids for o in self._end(request_id, error)]
+        shut_down = self.on_step_error == "shutdown"
+        if shut_down:
+            for request_id in list(self._requests):
+                outputs += self._end(request_id, f"the engine shut down after {error}")
+            self._shut_down_by = error
+            try:
+                self.close()
+            except Exception as close_exc:  # noqa: BLE001 - the step's failure is the one to report
+                log.error("closing the engine after a failed step also failed: %s", close_exc)
+            then = "the engine shut down (scheduler.on_step_error=shutdown); start a new one"
+        else:
+            then = ("the engine serves on (scheduler.on_step_error=recover); their final outputs come with the "
+                    "next step")
+        log.error("%s; %d request(s) ended", error, len(request_ids))
+        return EngineStepError(f"{error}; its {len(request_ids)} request(s) ended with this error and {then}",
+                               outputs=outputs, plugin=plugin, hook=hook, layer=layer, shut_down=shut_down)
 
     # ------------------------------------------------------------------ facts and lifecycle
 
@@ -310,7 +382,8 @@ class LLMEngine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise KunlunInferError("the engine is closed; create a new one")
+            why = f" after {self._shut_down_by}" if self._shut_down_by else ""
+            raise KunlunInferError(f"the engine is closed{why}; create a new one")
 
     def close(self) -> None:
         """Abort what is left, free the KV cache and, if the engine made it, close the runtime. Idempotent."""
@@ -320,7 +393,7 @@ class LLMEngine:
             self.abort(request_id)
         self._aborted_outputs.clear()
         try:
-            self.runtime.plugins.engine_stop(self.stats())
+            self._notify(self.runtime.plugins.engine_stop, self.stats())
         finally:
             self._closed = True
             self._release()

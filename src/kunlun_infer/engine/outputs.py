@@ -59,6 +59,9 @@ class RequestOutput:
     ``logprobs`` most likely ones. ``finish_reason`` is ``None`` while
     running, then ``"stop"``, ``"length"`` or ``"abort"``. ``index`` says
     which of a request's ``n`` samples this is (each has its own outputs).
+    ``error`` is ``None`` unless a failed step ended the request (then
+    ``finish_reason`` is ``"abort"``): it says what failed, naming the
+    plugin, hook and layer at fault.
     """
 
     request_id: str
@@ -73,3 +76,4 @@ class RequestOutput:
     delta_text: str = ""
     num_cached_tokens: int = 0
     index: int = 0
+    error: str | None = None

@@ -17,13 +17,15 @@ from kunlun_infer.errors import RequestError
 
 #: most alternatives a request may ask logprobs for, per generated token
 MAX_LOGPROBS = 20
+#: temperatures below this sample greedily: dividing logits by them would overflow to infinities
+GREEDY_BELOW = 1e-5
 
 
 @dataclasses.dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` switch those
+    ``temperature=0`` (or below ``1e-5``) is greedy; ``top_k=0`` and ``top_p=1`` switch those
     filters off. ``seed`` gives the request its own random generator, so the
     same seed gives the same tokens whatever else runs in the batch.
     ``stop`` strings end generation and are cut from the text;
@@ -60,10 +62,8 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
-        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop = _as_tuple("stop", self.stop, one=str)
+        self.stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, one=int)
         self._validate()
 
     def _validate(self) -> None:
@@ -101,8 +101,19 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when tokens are picked by argmax."""
-        return self.temperature == 0
+        """True when tokens are picked by argmax (temperatures below ``GREEDY_BELOW`` count as 0)."""
+        return self.temperature < GREEDY_BELOW
+
+
+def _as_tuple(field: str, value: object, *, one: type) -> tuple:
+    """A list field as a tuple: ``None`` is empty, a lone ``one`` is a list of one; anything else is refused."""
+    if value is None:
+        return ()
+    if isinstance(value, one) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple, set, frozenset, range)):
+        raise RequestError(f"{field} must be a list of {one.__name__}, got {value!r}", field=field)
+    return tuple(value)
 
 
 def _require_int(field: str, value: object, *, low: int, high: int | None = None, note: str = "") -> None:
@@ -126,11 +137,11 @@ def validate_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, *, 
     n = len(prompt_token_ids)
     if n == 0:
         raise RequestError("prompt must contain at least one token, got an empty prompt", field="prompt")
-    bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)
+    bad = next((i for i, t in enumerate(prompt_token_ids) if not isinstance(t, int) or isinstance(t, bool)
                 or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size - 1}], got {bad!r}",
-                           field="prompt")
+    if bad is not None:  # an index, since the bad id itself may be None
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size - 1}], got "
+                           f"{prompt_token_ids[bad]!r} at position {bad}", field="prompt")
     if n + params.max_tokens > max_model_len:
         raise RequestError(
             f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) must be <= model.max_model_len "

@@ -29,6 +29,8 @@ class RequestState:
         self.detokenizer = (IncrementalDetokenizer(decoder, seq.token_ids, tuple(seq.params.stop))
                             if decoder is not None else None)
         self.logprobs: list[dict[int, float]] | None = [] if seq.params.logprobs is not None else None
+        #: why a failed step ended this request (``None`` otherwise)
+        self.error: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -74,6 +76,7 @@ class RequestState:
             delta_text=delta,
             num_cached_tokens=seq.num_cached_tokens,
             index=seq.index,
+            error=self.error,
         )
 
 

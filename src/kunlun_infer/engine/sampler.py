@@ -161,10 +161,12 @@ class Sampler:
         is_greedy = torch.tensor([p.greedy for p in params], device=device)
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
                                    dtype=logits.dtype, device=device)
-        scaled = logits / temperature.unsqueeze(1)
+        # a huge penalty or a tiny temperature can push logits to +inf, and softmax of inf is NaN
+        scaled = (logits / temperature.unsqueeze(1)).clamp_(max=torch.finfo(logits.dtype).max)
         top_k = top_p = None
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+            vocab = logits.shape[-1]  # a larger top_k keeps everything (and may not fit an int64)
+            top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int64, device=device)
         if any(p.top_p < 1 for p in params):
             top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
         if top_k is not None or top_p is not None:

@@ -26,6 +26,8 @@ from kunlun_infer.errors import ConfigError, ModelLoadError
 log = logging.getLogger("kunlun_infer.framework")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: what the engine does after a failed step (``scheduler.on_step_error``)
+ON_STEP_ERROR = ("recover", "shutdown")
 
 
 def check_engine_config(cfg: Any) -> None:
@@ -36,6 +38,8 @@ def check_engine_config(cfg: Any) -> None:
         ("cache.memory_fraction", cfg.cache.memory_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
         ("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs, lambda v: v >= 1, ">= 1"),
         ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens, lambda v: v >= 1, ">= 1"),
+        ("scheduler.on_step_error", cfg.scheduler.get("on_step_error", "recover"),
+         lambda v: v in ON_STEP_ERROR, " or ".join(ON_STEP_ERROR)),
     ]
     for key, value, ok, allowed in checks:
         if not ok(value):

@@ -1,0 +1,37 @@
+"""Fixtures for hardening tests: one tiny model for the session, engines that always close.
+
+The model is the smallest the engine serves well (hidden 32, one layer,
+byte-level vocabulary of 257), so load, fuzz and lifecycle runs spend their
+time in the engine's bookkeeping, not in matrix products.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.tiny_models import build_tiny_model, engine_overrides
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices gain nothing from threads, and lose a lot when the cores are busy elsewhere."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A tiny random llama with a byte tokenizer, saved as safetensors."""
+    return build_tiny_model(tmp_path_factory.mktemp("hardening-model"), "llama", **TINY)
+
+
+def tiny_overrides(folder: Path, **keys) -> list[str]:
+    """Overrides for a small engine on ``folder``; ``keys`` like ``cache__num_blocks=8`` win."""
+    return engine_overrides(model__path=str(folder), **keys)
