@@ -71,7 +71,7 @@ class HostAndThreadStreams(Streams):
 
 
 class SecondChunkFirstComm:
-    """Stands for rank 0 of two identical ranks (sum = 2 x); notes whether chunk 1 started before chunk 0 was reduced."""
+    """Rank 0 of two identical ranks (sum = 2 x); notes whether chunk 1 started before chunk 0 was reduced."""
 
     rank, world_size = 0, 2
 

@@ -101,7 +101,7 @@ def run_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
              for c in commands]
     results = []
     try:
-        for proc, cmd in zip(procs, commands):
+        for proc, cmd in zip(procs, commands, strict=True):
             out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
             results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
     finally:
