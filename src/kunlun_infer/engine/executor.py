@@ -79,8 +79,8 @@ class TensorParallelGroup:
             self.runtime.init_comm(rank=0, world_size=self.size, init_method=cfg.parallel.init_method)
             return
         init_method = cfg.parallel.init_method or f"tcp://127.0.0.1:{free_loopback_port()}"
-        self.workers = WorkerProcesses(config=OmegaConf.to_container(cfg, resolve=True), world_size=self.size,
-                                       init_method=init_method)
+        config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        self.workers = WorkerProcesses(config=config, world_size=self.size, init_method=init_method)
         self._watching(lambda: self.runtime.init_comm(rank=0, world_size=self.size, init_method=init_method),
                        f"joining the {self.size} ranks at {init_method}", self.worker_timeout_s)
 
