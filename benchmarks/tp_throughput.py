@@ -1,6 +1,6 @@
 """Tensor-parallel throughput on this machine: one rank vs two, same model, same workload, same tokens.
 
-Builds a random Llama (hidden 256, 4 layers, float32 safetensors) and runs a
+Builds a random Llama (default hidden 256, 4 layers, float32) and runs a
 batch of prompts through ``LLM.generate`` (greedy, ``ignore_eos``) with
 ``parallel.tensor_size=1`` and ``=2``, after one warm-up batch each. One rank
 is measured with as many torch threads as the two ranks use together and with
@@ -8,6 +8,7 @@ one thread, so the comparison is fair either way. Prints generated tokens per
 second and checks that every setting produced the same tokens.
 
     python benchmarks/tp_throughput.py [--prompts 16] [--length 128] [--max-tokens 64] [--threads 1]
+                                       [--hidden 256] [--layers 4]
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kunlun_infer import LLM, SamplingParams  # noqa: E402
 from tests.engine.tiny_models import build_tiny_model  # noqa: E402
 
-MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, initializer_range=0.05)
+def model_config(hidden: int, layers: int) -> dict:
+    return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=hidden // 32, num_key_value_heads=hidden // 64, initializer_range=0.05)
 
 
 def run(folder: Path, prompts: list[list[int]], max_tokens: int, tensor_size: int, threads: int,
@@ -50,6 +52,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank with two ranks")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (args.length,), generator=g).tolist() for _ in range(args.prompts)]
@@ -57,8 +61,9 @@ def main() -> None:
              f"scheduler.max_num_batched_tokens={max(512, args.prompts * args.length)}"]
     settings = [("1 rank", 1, 2 * args.threads), ("1 rank", 1, args.threads), ("2 ranks", 2, args.threads)]
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_tiny_model(Path(tmp) / "model", "llama", **MODEL)
-        print(f"{args.prompts} prompts x {args.length} tokens, {args.max_tokens} new tokens each; "
+        folder = build_tiny_model(Path(tmp) / "model", "llama", **model_config(args.hidden, args.layers))
+        print(f"hidden {args.hidden}, {args.layers} layers; "
+              f"{args.prompts} prompts x {args.length} tokens, {args.max_tokens} new tokens each; "
               f"{torch.get_num_threads()} cores visible to torch")
         results = []
         for name, tensor_size, threads in settings:
