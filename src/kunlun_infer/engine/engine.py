@@ -297,7 +297,9 @@ class LLMEngine:
                     child.mark_scheduled(started)
                     self._record(child, child_token, logprobs, now, outputs)
         except WorkerError as exc:  # a tensor-parallel rank is gone: no later step can run either
-            self._step_failed(states, exc)
+            error = self._step_failed(states, exc)
+            if error.shut_down:
+                raise error from exc
             raise
         except Exception as exc:
             raise self._step_failed(states, exc) from exc
@@ -340,11 +342,7 @@ class LLMEngine:
     def _step_failed(self, states: list[RequestState], exc: Exception) -> EngineStepError:
         """End the failed step's requests with the error, then recover or shut down (``scheduler.on_step_error``)."""
         step = self._num_steps + 1
-        if isinstance(exc, PluginError):
-            cause, plugin, hook, layer = str(exc), exc.plugin, exc.hook, exc.layer
-        else:
-            plugin, hook, layer = None, None, "framework"
-            cause = f"the framework failed (layer: framework): {type(exc).__name__}: {' '.join(str(exc).split())}"
+        cause, plugin, hook, layer = _describe_failure(exc)
         error = f"step {step} failed: {cause}"
         request_ids = list(dict.fromkeys(state.request_id for state in states))
         outputs = [o for request_id in request_ids for o in self._end(request_id, error)]
@@ -361,7 +359,7 @@ class LLMEngine:
         else:
             then = ("the engine serves on (scheduler.on_step_error=recover); their final outputs come with the "
                     "next step")
-        log.error("%s; %d request(s) ended", error, len(request_ids))
+        log.error("%s; %d request(s) ended%s", error, len(request_ids), "; engine closed" if shut_down else "")
         return EngineStepError(f"{error}; its {len(request_ids)} request(s) ended with this error and {then}",
                                outputs=outputs, plugin=plugin, hook=hook, layer=layer, shut_down=shut_down)
 
@@ -417,3 +415,20 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _describe_failure(exc: BaseException) -> tuple[str, str | None, str | None, str]:
+    """``(text, plugin, hook, layer)`` of a step's failure; a plugin error anywhere in the chain is named."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:  # the exception, then its causes
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    text = " ".join(str(chain[0]).split())
+    culprit = next((e for e in chain if isinstance(e, PluginError)), None)
+    if culprit is not None:
+        if culprit is not chain[0]:
+            text = f"{type(chain[0]).__name__}: {text}; cause: {' '.join(str(culprit).split())}"
+        return text, culprit.plugin, culprit.hook, culprit.layer
+    what = "a tensor-parallel worker failed" if isinstance(chain[0], WorkerError) else "the framework failed"
+    return f"{what} (layer: framework): {type(chain[0]).__name__}: {text}", None, None, "framework"
