@@ -32,6 +32,21 @@ def tiny_folder(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("hardening-model"), "llama", **TINY)
 
 
+@pytest.fixture
+def flaky(make_distribution, only_plugins):
+    """Install the ``flaky`` test plugin (:mod:`tests.hardening.fault_plugin`) through an entry point.
+
+    No other entry-point plugin loads meanwhile.
+    """
+    from tests.hardening import fault_plugin
+
+    make_distribution("kunlun-infer-flaky", "from tests.hardening.fault_plugin import *\n", entry_point="flaky")
+    only_plugins("flaky")
+    fault_plugin.ALLOCATORS.clear()
+    fault_plugin.PROVIDERS.clear()
+    return fault_plugin
+
+
 def tiny_overrides(folder: Path, **keys) -> list[str]:
     """Overrides for a small engine on ``folder``; ``keys`` like ``cache__num_blocks=8`` win."""
     return engine_overrides(model__path=str(folder), **keys)

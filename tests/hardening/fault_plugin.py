@@ -6,8 +6,9 @@ Installed through the entry-point group like any plugin (see
 
 - ``memory.fail_at=N``: the N-th ``allocate`` raises. Every allocator made is
   kept in :data:`ALLOCATORS`, so a test can check that nothing stayed allocated.
-- ``ops=flaky``: the plain-torch kernels; ``runtime.ops.arm(op, after=N)``
-  makes the N-th call of ``op`` from then on raise (once).
+- ``ops=flaky``: the plain-torch kernels, counting calls (providers kept in
+  :data:`PROVIDERS`); ``runtime.ops.arm(op, after=N)`` makes the N-th call of
+  ``op`` from then on raise (once).
 - ``comm.fail_at=N``: on rank 0, the N-th ``all_reduce`` raises instead of
   reducing (gloo collectives otherwise).
 """
@@ -24,8 +25,9 @@ from kunlun_infer.plugins.cpu_comm import GlooComm
 from kunlun_infer.plugins.cpu_memory import SimpleAllocator
 from kunlun_infer.plugins.torch_ops import kernels
 
-#: every flaky allocator made in this process (test inspection only)
+#: every flaky allocator and ops provider made in this process (test inspection only)
 ALLOCATORS: list[FlakyMemory] = []
+PROVIDERS: list[FlakyOps] = []
 
 
 class InjectedFault(RuntimeError):
@@ -122,6 +124,12 @@ def make_memory(*, config, device):
     return allocator
 
 
+def make_ops(*, config, device):
+    provider = FlakyOps()
+    PROVIDERS.append(provider)
+    return provider
+
+
 @hookimpl
 def kunlun_infer_plugin_info():
     return PluginInfo(name="flaky", version="0.0.1", api=">=1.0,<2", capabilities=("memory", "ops", "comm"))
@@ -134,7 +142,7 @@ def kunlun_infer_memory_factories():
 
 @hookimpl
 def kunlun_infer_ops_factories():
-    return {"flaky": lambda *, config, device: FlakyOps()}
+    return {"flaky": make_ops}
 
 
 @hookimpl

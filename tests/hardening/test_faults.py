@@ -29,14 +29,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
 
-@pytest.fixture
-def flaky(make_distribution, only_plugins):
-    """Install the flaky plugin as a distribution with an entry point (and no other entry-point plugin)."""
-    make_distribution("kunlun-infer-flaky", "from tests.hardening.fault_plugin import *\n", entry_point="flaky")
-    only_plugins("flaky")
-    fault_plugin.ALLOCATORS.clear()
-
-
 def flaky_llm(folder, **keys) -> LLM:
     return LLM(overrides=tiny_overrides(folder, scheduler__max_num_seqs=2, **keys))
 
