@@ -36,6 +36,20 @@ def refuse_target_overrides(overrides: Sequence[str]) -> None:
             raise ConfigError(f"{override}: {_TARGET_MESSAGE}")
 
 
+def refuse_targets(node: Any, path: str = "") -> None:
+    """Refuse ``_target_`` anywhere in a config, including one built by hand rather than composed."""
+    if isinstance(node, (DictConfig, dict)):
+        items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else node.items()
+        for key, value in items:
+            full_key = f"{path}.{key}" if path else str(key)
+            if key == TARGET_KEY:
+                raise ConfigError(f"{full_key}: {_TARGET_MESSAGE}")
+            refuse_targets(value, full_key)
+    elif isinstance(node, (ListConfig, list, tuple)):
+        for index, item in enumerate(node):
+            refuse_targets(item, f"{path}[{index}]")
+
+
 def _type_name(hint: Any) -> str:
     args = typing.get_args(hint)
     if typing.get_origin(hint) is typing.Union and type(None) in args:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from kunlun_infer.capabilities import Comm, Device, MemoryAllocator, OpsProvider, Streams
 from kunlun_infer.errors import ConfigError, PluginError
 from kunlun_infer.hookspecs import CAPABILITIES
+from kunlun_infer.runtime.config_checks import refuse_targets
 from kunlun_infer.runtime.guard import guard, guarded_call, unwrap
 from kunlun_infer.runtime.log import runtime_log
 from kunlun_infer.runtime.manager import PluginManager
@@ -58,6 +59,7 @@ class Runtime:
     def from_config(cls, cfg: DictConfig, *, local_rank: int = 0,
                     plugin_manager: PluginManager | None = None) -> Runtime:
         """Build the runtime the config describes; the device is opened, comm not yet initialised."""
+        refuse_targets(cfg)  # a config built by hand never went through composition's checks
         manager = plugin_manager if plugin_manager is not None else PluginManager.load()
         objects: dict[str, Any] = {}
         providers: dict[str, str] = {}
