@@ -138,6 +138,9 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise RequestError(f"messages: the model's chat template refused the conversation: {exc}",
                                field="messages") from exc
+        except Exception as exc:  # noqa: BLE001 - a template may fail any way (1/0, include without loader)
+            raise RequestError(f"messages: the model's chat template failed on the conversation: "
+                               f"{type(exc).__name__}: {exc}", field="messages") from exc
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
