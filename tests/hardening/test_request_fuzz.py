@@ -63,7 +63,8 @@ valid_params = st.fixed_dictionaries({}, optional={
 })
 fuzzed_params = st.dictionaries(st.sampled_from(FIELDS), ANY_VALUE, max_size=4)
 valid_prompts = st.one_of(st.text(min_size=1, max_size=12),
-                          st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=30))
+                          st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=30),
+                          st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=12, max_size=30))
 prompts = st.one_of(
     valid_prompts, valid_prompts, valid_prompts,
     st.text(max_size=12),
@@ -85,8 +86,8 @@ scripts = st.lists(st.one_of(add, add, add, abort, step), min_size=1, max_size=1
 
 @pytest.fixture(scope="module")
 def engine(tiny_folder):
-    cfg = compose_config(tiny_overrides(tiny_folder, cache__block_size=4, cache__num_blocks=16,
-                                        model__max_model_len=64, scheduler__max_num_seqs=4,
+    cfg = compose_config(tiny_overrides(tiny_folder, cache__block_size=4, cache__num_blocks=12,
+                                        model__max_model_len=64, scheduler__max_num_seqs=6,
                                         scheduler__max_num_batched_tokens=24))
     llm = LLM.from_config(cfg)
     yield llm.engine
