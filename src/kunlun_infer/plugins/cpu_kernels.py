@@ -2,11 +2,12 @@
 
 Where the time of a CPU step goes, and what each kernel does about it:
 
-- ``linear`` — the weights. A bfloat16 weight is reordered once, at load, into
-  oneDNN's blocked layout (``mkldnn._reorder_linear_weight``) and multiplied
-  with ``mkldnn._linear_pointwise``, which streams it markedly faster than
-  ``F.linear`` on bf16 at every batch size. Other dtypes, or a torch without
-  those ops, keep the weight as it is and use ``F.linear`` (the reference).
+- ``linear`` — the weights. A bfloat16 weight is packed once, at load, for
+  the AVX512-BF16 GEMM of :mod:`kunlun_infer.plugins.cpu_gemm`, which streams
+  it at close to memory speed for the few rows of a decode step; where that
+  kernel is not available, for oneDNN (``mkldnn._reorder_linear_weight``,
+  then ``mkldnn._linear_pointwise``), still markedly faster than ``F.linear``
+  on bf16. Other dtypes keep the weight as it is and use ``F.linear``.
 - ``paged_attention`` — decode tokens of the whole batch run as one SDPA over
   their block-gathered K/V (``index_select`` of the blocks in use, no copy of
   the whole cache), in the cache's dtype: the CPU SDPA kernel accumulates
@@ -24,19 +25,22 @@ conformance suite (``kunlun_infer.testing``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.plugins import cpu_gemm
 
 #: attribute set on a weight this module reordered for oneDNN
 _ONEDNN_PACKED = "_kunlun_onednn_packed"
-#: batch size oneDNN is told to expect when it chooses the blocked layout
-_PACK_BATCH_HINT = 32
+#: batch size oneDNN is told to expect when it chooses the blocked layout (1 streams best, larger is no faster)
+_PACK_BATCH_HINT = 1
 
 
+@functools.cache
 def onednn_linear_available() -> bool:
     """True when this torch build has the oneDNN prepacked-linear ops and runs them in bf16 here."""
     try:
@@ -52,8 +56,12 @@ def onednn_linear_available() -> bool:
 # ---------------------------------------------------------------------- linear
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 ``[out, in]`` weight reordered for oneDNN (a new, opaque tensor); others unchanged."""
+    """A bf16 ``[out, in]`` weight packed for the bf16 GEMM kernel, else for oneDNN; others unchanged."""
     if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return weight
+    if cpu_gemm.can_pack(weight):
+        return cpu_gemm.pack(weight)
+    if not onednn_linear_available():
         return weight
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
     setattr(packed, _ONEDNN_PACKED, True)
@@ -61,7 +69,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``; oneDNN for weights :func:`pack_linear_weight` reordered."""
+    """``x @ weight.T + bias``, by whichever kernel :func:`pack_linear_weight` packed the weight for."""
+    if cpu_gemm.is_packed(weight):
+        return cpu_gemm.linear(x, weight, bias)
     if getattr(weight, _ONEDNN_PACKED, False):
         return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -154,7 +164,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def kernels() -> dict[str, Any]:
     """The ``cpu`` op table: the tuned kernels above, the references for the rest."""
     table = {name: spec.reference for name, spec in OP_SPECS.items()}
-    table.update(rms_norm=rms_norm, add_rms_norm=add_rms_norm, paged_attention=paged_attention)
-    if onednn_linear_available():
-        table.update(pack_linear_weight=pack_linear_weight, linear=linear)
+    table.update(rms_norm=rms_norm, add_rms_norm=add_rms_norm, paged_attention=paged_attention,
+                 pack_linear_weight=pack_linear_weight, linear=linear)
     return table
