@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig
 
 from kunlun_infer.engine.block_manager import BlockManager
+from kunlun_infer.engine.failures import describe_failure
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, allocate_kv_caches, free_kv_caches, size_kv_cache
 from kunlun_infer.engine.model_runner import ModelRunner
 from kunlun_infer.engine.outputs import RequestOutput
@@ -342,7 +343,7 @@ class LLMEngine:
     def _step_failed(self, states: list[RequestState], exc: Exception) -> EngineStepError:
         """End the failed step's requests with the error, then recover or shut down (``scheduler.on_step_error``)."""
         step = self._num_steps + 1
-        cause, plugin, hook, layer = _describe_failure(exc)
+        cause, plugin, hook, layer = describe_failure(exc)
         error = f"step {step} failed: {cause}"
         request_ids = list(dict.fromkeys(state.request_id for state in states))
         outputs = [o for request_id in request_ids for o in self._end(request_id, error)]
@@ -415,20 +416,3 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _describe_failure(exc: BaseException) -> tuple[str, str | None, str | None, str]:
-    """``(text, plugin, hook, layer)`` of a step's failure; a plugin error anywhere in the chain is named."""
-    chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:  # the exception, then its causes
-        seen.add(id(exc))
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    text = " ".join(str(chain[0]).split())
-    culprit = next((e for e in chain if isinstance(e, PluginError)), None)
-    if culprit is not None:
-        if culprit is not chain[0]:
-            text = f"{type(chain[0]).__name__}: {text}; cause: {' '.join(str(culprit).split())}"
-        return text, culprit.plugin, culprit.hook, culprit.layer
-    what = "a tensor-parallel worker failed" if isinstance(chain[0], WorkerError) else "the framework failed"
-    return f"{what} (layer: framework): {type(chain[0]).__name__}: {text}", None, None, "framework"
