@@ -55,7 +55,7 @@ def make_streams(*, config: Any = None, device: Any) -> Any:
 
 
 def make_comm(*, config: Any = None, device: Any) -> Any:
-    from kunlun_infer_cuda.comm import parse_dtype
+    from kunlun_infer.plugins.process_group import parse_dtype
     from kunlun_infer_kunlun.capabilities import BkclComm
     from kunlun_infer_kunlun.tuning import tuning_env
 

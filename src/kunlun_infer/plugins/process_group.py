@@ -1,0 +1,142 @@
+"""``ProcessGroupComm``: the Comm base for every plugin whose collectives run on a torch.distributed process group.
+
+The group is *private*: it is built from a rendezvous store (``tcp://``,
+``env://``, ``file://``) and never becomes torch.distributed's default group,
+so an application's own use of torch.distributed is left alone.
+Low-precision all-reduce runs in ``accumulate_dtype`` (``comm.accumulate_dtype``,
+float32 by default) and is cast back, so bf16/fp16 partial sums do not lose bits.
+
+The built-in ``gloo`` comm is this class on a gloo group. A vendor plugin
+subclasses it and overrides only what its backend changes:
+
+- :meth:`ProcessGroupComm.new_group` — which process group to build (the backend);
+- :attr:`ProcessGroupComm.control_device` — where the small control tensors of
+  :meth:`~ProcessGroupComm.broadcast_object` and :meth:`~ProcessGroupComm.barrier`
+  live (the host by default; a device backend wants its device);
+
+and, where the backend needs it, :meth:`ProcessGroupComm.release_group`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kunlun_infer.capabilities import Comm
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def parse_dtype(name: Any) -> torch.dtype | None:
+    """``"float32"`` → ``torch.float32``; ``None``/``"none"`` → ``None``; anything not a floating dtype is refused."""
+    if name is None or str(name).lower() in ("", "none", "null"):
+        return None
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"comm.accumulate_dtype={name!r} is not a floating torch dtype (e.g. float32)")
+    return dtype
+
+
+class ProcessGroupComm(Comm):
+    """Collectives on a private torch.distributed process group; subclasses choose the backend."""
+
+    name = "process-group"
+
+    def __init__(self, *, accumulate_dtype: torch.dtype | None = torch.float32) -> None:
+        self.default_accumulate_dtype = accumulate_dtype
+        self._group: Any = None
+        self._store: Any = None
+
+    # ------------------------------------------------------------------ what a backend overrides
+
+    def new_group(self, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+        """The process group of this backend over ``store`` (already prefixed for this comm)."""
+        raise NotImplementedError(f"{type(self).__name__} must say which process group to build (new_group)")
+
+    @property
+    def control_device(self) -> torch.device:
+        """Where the small tensors this class makes itself (object sizes, payloads, barriers) live."""
+        return torch.device("cpu")
+
+    def release_group(self, group: Any) -> None:
+        """Free the backend's resources held by ``group`` on :meth:`destroy`: its ``shutdown()``, where it has one."""
+        shutdown = getattr(group, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def init(self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float = 300.0) -> None:
+        if self._group is not None:
+            raise RuntimeError(f"comm={self.name} is already initialised; destroy() it first")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world_size = next(dist.rendezvous(init_method or "env://", rank, world_size, timeout=timeout))
+        self._store = dist.PrefixStore(f"kunlun_infer/{self.name}/", store)
+        self._group = self.new_group(self._store, rank, world_size, timeout)
+        self.rank, self.world_size = rank, world_size
+
+    @property
+    def group(self) -> Any:
+        if self._group is None:
+            raise RuntimeError(f"comm={self.name} used before init(rank=, world_size=, init_method=)")
+        return self._group
+
+    def destroy(self) -> None:
+        group, self._group, self._store = self._group, None, None
+        if group is not None:
+            self.release_group(group)
+
+    # ------------------------------------------------------------------ collectives
+
+    def accumulate_dtype_for(self, tensor: torch.Tensor, requested: torch.dtype | None) -> torch.dtype | None:
+        """The wider dtype to reduce ``tensor`` in, or None to reduce it as it is (only ever widens)."""
+        dtype = requested if requested is not None else (
+            self.default_accumulate_dtype if tensor.dtype in LOW_PRECISION else None)
+        if dtype is None or not tensor.is_floating_point() or not dtype.is_floating_point:
+            return None
+        if torch.finfo(dtype).bits <= torch.finfo(tensor.dtype).bits:
+            return None
+        return dtype
+
+    def all_reduce(self, tensor: torch.Tensor, accumulate_dtype: torch.dtype | None = None) -> torch.Tensor:
+        wide = self.accumulate_dtype_for(tensor, accumulate_dtype)
+        work = tensor.to(wide) if wide is not None else tensor
+        if not work.is_contiguous():
+            work = work.contiguous()
+        self.group.allreduce([work]).wait()
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.group.allgather([parts], [tensor]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.group.broadcast([work], options).wait()
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        where = self.control_device
+        payload = pickle.dumps(obj) if self.rank == src else b""
+        size = self.broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=where), src)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=where)
+        if self.rank == src:
+            data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self.broadcast(data, src)
+        return obj if self.rank == src else pickle.loads(data.cpu().numpy().tobytes())  # noqa: S301 - peers only
+
+    def barrier(self) -> None:
+        # a one-element all-reduce on a control tensor is a barrier every backend implements
+        self.group.allreduce([torch.zeros(1, device=self.control_device)]).wait()
