@@ -107,16 +107,20 @@ def test_a_model_folder_is_only_read(model):
     """Loading, generating and closing change no file of the folder and create none."""
     before = snapshot(model)
     writes: list[tuple] = []
+    watching = [True]
 
     def audit(event, args):
-        if event == "open" and str(model) in str(args[0]):
+        if event == "open" and watching[0] and str(model) in str(args[0]):
             path, mode, flags = args
             if set(mode or "") & set("wax+") or (flags or 0) & 0o3:  # O_WRONLY or O_RDWR
                 writes.append(args)
 
-    sys.addaudithook(audit)  # hooks cannot be removed; this one only looks at this folder
-    with LLM(overrides=tiny_overrides(model)) as llm:
-        llm.generate(["a prompt", [4, 5, 6]], GREEDY, use_tqdm=False)
+    sys.addaudithook(audit)  # hooks cannot be removed: this one only watches this folder, during this test
+    try:
+        with LLM(overrides=tiny_overrides(model)) as llm:
+            llm.generate(["a prompt", [4, 5, 6]], GREEDY, use_tqdm=False)
+    finally:
+        watching[0] = False
     assert writes == [] and snapshot(model) == before
 
 
