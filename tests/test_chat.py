@@ -3,12 +3,12 @@
 import json
 
 import pytest
-import torch
 
 import kunlun_infer as ki
 from kunlun_infer.chat import load_chat_template
 from tests.chat_models import RICH_TEMPLATE, build_chat_model, write_chat_tokenizer
 from tests.engine.tiny_models import engine_overrides
+from tests.torch_threads import one_thread  # noqa: F401 - autouse: one torch thread per test
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
@@ -18,14 +18,6 @@ CONVERSATIONS = [
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Wetter für <Ort> & Zeit",
                                             "parameters": {"type": "object", "properties": {"city": {}}}}}]
 GREEDY = ki.SamplingParams(max_tokens=6, temperature=0.0)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

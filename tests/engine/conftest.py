@@ -8,15 +8,7 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import build_tiny_model, engine_overrides
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from threads, and lose a lot when the cores are busy elsewhere."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.torch_threads import one_thread  # noqa: F401 - autouse: one torch thread per test
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import build_tiny_model, engine_overrides
+from tests.torch_threads import one_thread  # noqa: F401 - autouse: one torch thread per test
 
 SIMCHIP = ["device=simchip", "memory=simchip", "ops=simchip", "streams=simchip"]
 PROMPT_LENGTHS = [1, 15, 16, 17, 40, 150]
@@ -24,14 +25,6 @@ def require_package(module: str, folder: str) -> None:
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed: pip install -e hooks/{folder} --no-deps",
                     allow_module_level=True)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -9,18 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.engine.tiny_models import build_tiny_model, engine_overrides
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from threads; the ranks share two cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.torch_threads import one_thread  # noqa: F401 - autouse: one torch thread per test
 
 
 @pytest.fixture(scope="package")
