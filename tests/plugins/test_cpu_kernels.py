@@ -7,14 +7,24 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.ops import reference
-from kunlun_infer.plugins import cpu_gemm, cpu_kernels
+from kunlun_infer.plugins import cpu_gemm, cpu_kernels, cpu_native
 from kunlun_infer.testing import build_runtime, check_ops
 from tests.plugins.test_torch_ops import _batch
 
 needs_onednn = pytest.mark.skipif(not cpu_kernels.onednn_linear_available(),
                                   reason="this torch build has no oneDNN prepacked linear")
-needs_gemm = pytest.mark.skipif(cpu_gemm.gemm_library() is None,
-                                reason="no AVX512-BF16 CPU without AMX, or no C compiler")
+needs_gemm = pytest.mark.skipif(not cpu_gemm.available(), reason="no AVX512-BF16 CPU without AMX, or no C compiler")
+needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no AVX512-BF16 CPU, or no C compiler")
+
+
+@pytest.fixture(params=["native", "sdpa"])
+def attention_path(request, monkeypatch):
+    """Run a test through the C decode kernel and through the SDPA fallback."""
+    if request.param == "native" and cpu_native.library() is None:
+        pytest.skip("no AVX512-BF16 CPU, or no C compiler")
+    if request.param == "sdpa":
+        monkeypatch.setattr(cpu_kernels, "native_decode_attention", lambda *args: None)
+    return request.param
 
 
 def test_cpu_ops_cover_and_conform_in_every_dtype():
@@ -30,17 +40,40 @@ def test_cpu_ops_cover_and_conform_in_every_dtype():
     [(12, 4), (7, 1), (30, 30), (3, 1)],  # chunked prefill, decode and prefill mixed
 ])
 @pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (6, 1)])
-def test_paged_attention_matches_reference(seqs, hq, hk):
+def test_paged_attention_matches_reference(seqs, hq, hk, attention_path):
     args = _batch(seqs, hq=hq, hk=hk)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
                                rtol=1e-4, atol=1e-5)
 
 
-def test_paged_attention_low_precision_keeps_its_dtype_and_accuracy():
+@pytest.mark.parametrize("d, block_size", [(32, 16), (64, 5), (8, 4)])  # head size 8: no native kernel
+def test_decode_attention_over_long_contexts_and_head_sizes(d, block_size, attention_path):
+    args = _batch([(1, 1), (15, 1), (16, 1), (17, 1), (300, 1)], hq=14, hk=2, d=d, block_size=block_size)
+    torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_paged_attention_low_precision_keeps_its_dtype_and_accuracy(attention_path):
     args = _batch([(6, 1), (8, 3), (33, 1), (20, 20)], hq=8, hk=2, dtype=torch.bfloat16)
     out = cpu_kernels.paged_attention(*args)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, reference.paged_attention(*args), rtol=2e-2, atol=2e-2)
+    decode_only = _batch([(6, 1), (40, 1)], hq=8, hk=2, dtype=torch.bfloat16)
+    torch.testing.assert_close(cpu_kernels.paged_attention(*decode_only), reference.paged_attention(*decode_only),
+                               rtol=2e-2, atol=2e-2)
+
+
+@needs_native
+def test_native_decode_attention_reads_the_cache_in_place():
+    q, k_cache, v_cache, tables, lens, qsl, scale = _batch([(9, 1), (4, 1)], hq=4, hk=2, d=16, block_size=4)
+    before = cpu_kernels.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    unused[tables[0, :3].long()] = False
+    unused[tables[1, :1].long()] = False
+    k_cache[unused] = float("nan")  # blocks no sequence owns are never read
+    v_cache[unused] = float("nan")
+    after = cpu_kernels.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
 def _assert_linear_like_f_linear(pack, linear, out_features, in_features, rows_list, bias=True):

@@ -8,14 +8,16 @@ Where the time of a CPU step goes, and what each kernel does about it:
   kernel is not available, for oneDNN (``mkldnn._reorder_linear_weight``,
   then ``mkldnn._linear_pointwise``), still markedly faster than ``F.linear``
   on bf16. Other dtypes keep the weight as it is and use ``F.linear``.
-- ``paged_attention`` — decode tokens of the whole batch run as one SDPA over
-  their block-gathered K/V (``index_select`` of the blocks in use, no copy of
-  the whole cache), in the cache's dtype: the CPU SDPA kernel accumulates
-  low precision in float32 itself. Grouped-query heads are folded into the
-  query-length axis (the ``Hq / Hk`` query heads of one KV head attend as
-  ``Hq / Hk`` queries of a single head), so K/V are never repeated per query
-  head. Prompts run one SDPA each: plain causal without a cached prefix,
-  bottom-right causal mask with one.
+- ``paged_attention`` — decode tokens of the whole batch go to the C kernel
+  of ``native/paged_decode_attention.c``, which reads each cached key and
+  value once, in place, through the block tables (no gathered copy), for
+  all query heads sharing a KV head, in float32. Without it they run as one
+  SDPA over their block-gathered K/V (``index_select`` of the blocks in use)
+  in the cache's dtype (the CPU SDPA kernel accumulates low precision in
+  float32 itself), with the ``Hq / Hk`` query heads of a KV head folded into
+  the query-length axis so K/V are never repeated per query head. Prompts
+  run one SDPA each: plain causal without a cached prefix, bottom-right
+  causal mask with one.
 - ``rms_norm`` / ``add_rms_norm`` — torch's fused ``rms_norm`` on the float32
   upcast, rounded and scaled like the reference.
 
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.ops import OP_SPECS
-from kunlun_infer.plugins import cpu_gemm
+from kunlun_infer.plugins import cpu_gemm, cpu_native
 
 #: attribute set on a weight this module reordered for oneDNN
 _ONEDNN_PACKED = "_kunlun_onednn_packed"
@@ -100,9 +102,36 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Te
     return blocks.view(rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
+def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Decode attention by ``native/paged_decode_attention.c``, reading K/V in place through the block
+    tables; ``None`` when that kernel does not apply (library, dtype or head size)."""
+    dtype = k_cache.dtype
+    lib = cpu_native.library()
+    if (lib is None or dtype not in (torch.bfloat16, torch.float32) or v_cache.dtype != dtype
+            or q.shape[-1] % 16 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return None
+    batch, num_q_heads, head_dim = q.shape
+    query = q.to(dtype).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    status = lib.kunlun_paged_decode_attention(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+        lens.data_ptr(), out.data_ptr(), batch, num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        scale, dtype is torch.bfloat16)
+    if status != 0:
+        raise MemoryError(f"paged decode attention could not allocate its scratch for {batch} sequences")
+    return out
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """One query token per sequence: ``q`` ``[B, Hq, D]`` → ``[B, Hq, D]``, one SDPA for the batch."""
+    """One query token per sequence: ``q`` ``[B, Hq, D]`` → ``[B, Hq, D]``, without copying K/V where the
+    native kernel applies, else one SDPA for the batch over block-gathered K/V."""
+    native = native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    if native is not None:
+        return native
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_blocks = -(-max_len // block_size)

@@ -1,12 +1,13 @@
 /*
  * bf16 GEMM for the host CPU with AVX512-BF16: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias), float32 accumulation.
  *
- * Built and loaded by cpu_gemm.py. The weight is packed once into tiles of 32 output features with the
- * reduction dimension in pairs, [ceil(N / 32)][K / 2][32][2], so one 64-byte load feeds one VDPBF16PS for
- * 16 outputs and the activations are broadcast two at a time: no horizontal sums, and each tile of the
- * weight is read as one sequential stream. Every tile of 32 outputs computes up to 12 rows of X at once
- * (24 accumulators); the tiles are shared among the OpenMP threads of the process, so a decode step with
- * a few rows streams each weight once at memory speed and a larger batch reuses it from cache.
+ * Built and loaded by cpu_native.py, called by cpu_gemm.py. The weight is packed once into tiles of 32
+ * output features with the reduction dimension in pairs, [ceil(N / 32)][K / 2][32][2], so one 64-byte
+ * load feeds one VDPBF16PS for 16 outputs and the activations are broadcast two at a time: no horizontal
+ * sums, and each tile of the weight is read as one sequential stream. Every tile of 32 outputs computes
+ * up to 12 rows of X at once (24 accumulators); the tiles are shared among the OpenMP threads of the
+ * process, so a decode step with a few rows streams each weight once at memory speed and a larger batch
+ * reuses it from cache.
  */
 #include <immintrin.h>
 #include <stdint.h>
