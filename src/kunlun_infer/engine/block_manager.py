@@ -58,9 +58,11 @@ class BlockManager:
         """Cached blocks holding the longest run of ``seq``'s leading full blocks.
 
         At least one token is always left to compute, since the model must
-        produce the logits of the last one. Takes no references.
+        produce the logits of the last one. A sequence asking for
+        ``prompt_logprobs`` matches nothing: each of its prompt tokens must be
+        scored. Takes no references.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         tokens = seq.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

@@ -211,6 +211,7 @@ class LLMEngine:
             child = Sequence(next(self._seq_ids), request_id, token_ids, params, self.eos_token_ids, index)
             seq.add_fork(child)
             states.append(RequestState(child, text, self.tokenizer, self._sample_generator(params, index)))
+            states[-1].prompt_logprobs = states[0].prompt_logprobs  # one prompt, scored once
         self._requests[request_id] = states
         self._states.update((state.seq.seq_id, state) for state in states)
         self.scheduler.add(seq)
@@ -291,6 +292,8 @@ class LLMEngine:
             now = time.monotonic()
             self._num_computed_tokens += batch.num_tokens
             self.scheduler.update(batch, result.tokens, result.fork_tokens)
+            for row, (first, entries) in result.prompt_logprobs.items():
+                states[row].add_prompt_logprobs(first, entries)
             for row, token in result.tokens.items():
                 self._record(states[row], token, result.logprobs.get(row), now, outputs)
                 for child, child_token, logprobs in zip(forks.get(row, ()), result.fork_tokens.get(row, ()),

@@ -6,7 +6,9 @@ are computed with a handful of tensor ops from per-sequence numbers, not a
 loop over tokens. Only sequences whose known tokens are all computed after
 this step (a finished prompt, a decode) send their last hidden state through
 the LM head and the sampler; a prompt chunk in the middle just fills the
-cache. A finished prompt with pending ``forks`` (an ``n > 1`` request) has
+cache. A request asking for ``prompt_logprobs`` also sends the rows that
+score its prompt through the LM head, chunk by chunk (see
+``engine/prompt_logprobs.py``). A finished prompt with pending ``forks`` (an ``n > 1`` request) has
 its logits row sampled once more for each fork.
 """
 
@@ -17,6 +19,7 @@ import dataclasses
 import torch
 
 from kunlun_infer.engine.kv_cache import KVCaches
+from kunlun_infer.engine.prompt_logprobs import PromptSpan, gather_prompt_logprobs, prompt_spans, span_indices
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch
 from kunlun_infer.engine.sequence import Sequence
@@ -31,6 +34,8 @@ class StepInputs:
     attn: object  # layers.attention.AttentionMetadata
     logits_indices: torch.Tensor
     sample_rows: list[int]
+    #: rows scoring prompt tokens for ``prompt_logprobs``; their logits follow the sampled rows' in order
+    prompt_spans: list[PromptSpan] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -42,6 +47,8 @@ class StepResult:
     #: for a sampled row with pending forks: one first token (and logprobs) per fork, in order
     fork_tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     fork_logprobs: dict[int, list[dict[int, float] | None]] = dataclasses.field(default_factory=dict)
+    #: per batch row scoring its prompt: (first prompt position scored, one logprobs dict per token)
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = dataclasses.field(default_factory=dict)
 
 
 def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
@@ -68,6 +75,9 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
     slot_mapping = blocks * block_size + positions % block_size
     sample_rows = [i for i, s in enumerate(seqs) if starts[i] + num_new_tokens[i] == len(s)]
     logits_indices = query_start_loc[1:].index_select(0, torch.tensor(sample_rows, dtype=torch.int64)) - 1
+    spans = prompt_spans(seqs, starts, num_new_tokens)
+    if spans:
+        logits_indices = torch.cat([logits_indices, span_indices(spans, query_start_loc)])
     attn = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         block_tables=block_tables.to(device),
@@ -78,7 +88,7 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
         is_decode_only=num_tokens == len(seqs),
     )
     return StepInputs(torch.tensor(input_ids, dtype=torch.int64).to(device), positions.to(device), attn,
-                      logits_indices.to(device), sample_rows)
+                      logits_indices.to(device), sample_rows, spans)
 
 
 class ModelRunner:
@@ -104,6 +114,10 @@ class ModelRunner:
         if logits is None:
             return StepResult({}, {})
         rows = inputs.sample_rows
+        prompt = gather_prompt_logprobs(logits[len(rows):], batch.seqs, inputs.prompt_spans)
+        logits = logits[:len(rows)]
+        if not rows:
+            return StepResult({}, {}, prompt_logprobs=prompt)
         # one sampler row per sequence to sample for: each sampled sequence, then its pending forks
         logits_rows: list[int] = []
         targets: list[Sequence] = []
@@ -117,7 +131,7 @@ class ModelRunner:
         if len(targets) > len(rows):
             logits = logits.index_select(0, torch.tensor(logits_rows, device=logits.device))
         out = self.sampler(logits, [s.params for s in targets], target_generators, targets)
-        result = StepResult({}, {})
+        result = StepResult({}, {}, prompt_logprobs=prompt)
         k = 0
         for i in rows:
             num_forks = len(batch.seqs[i].forks)

@@ -56,7 +56,11 @@ class RequestOutput:
     request is included). ``text``: their detokenized text, without a stop
     string that ended it. ``logprobs``: when asked, one ``{token_id:
     logprob}`` dict per generated token, holding the chosen token and the
-    ``logprobs`` most likely ones. ``finish_reason`` is ``None`` while
+    ``logprobs`` most likely ones. ``prompt_logprobs``: when asked, one entry
+    per prompt token, aligned with ``prompt_token_ids``: ``None`` for the
+    first, then ``{token_id: logprob}`` with the actual prompt token and the
+    ``prompt_logprobs`` most likely ones, given the tokens before it.
+    ``finish_reason`` is ``None`` while
     running, then ``"stop"``, ``"length"`` or ``"abort"``. ``index`` says
     which of a request's ``n`` samples this is (each has its own outputs).
     ``error`` is ``None`` unless a failed step ended the request (then
@@ -73,6 +77,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     delta_text: str = ""
     num_cached_tokens: int = 0
     index: int = 0

@@ -32,7 +32,12 @@ class SamplingParams:
     ``stop_token_ids`` (and the model's EOS unless ``ignore_eos``) end it
     with the token kept in ``token_ids``. ``logprobs=N`` returns, for each
     generated token, the log-probability of that token and of the N most
-    likely ones (``0`` = the chosen token only).
+    likely ones (``0`` = the chosen token only). ``prompt_logprobs=N`` does
+    the same for the prompt: for every prompt token after the first, its
+    log-probability given the tokens before it and the N most likely ones
+    (those requests compute their whole prompt, bypassing the prefix cache,
+    and need float32 logits over the vocabulary for every prompt token a
+    step computes).
 
     Penalties reshape the logits before temperature: ``repetition_penalty``
     (as in ``transformers``: the logit of every token already seen, prompt
@@ -54,6 +59,7 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -87,6 +93,8 @@ class SamplingParams:
             _require_int("stop_token_ids", t, low=0)
         if self.logprobs is not None:
             _require_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _require_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _require_int("n", self.n, low=1)
         _require_number("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)", lambda v: v > 0)
         for name in ("presence_penalty", "frequency_penalty"):

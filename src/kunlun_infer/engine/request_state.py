@@ -29,6 +29,9 @@ class RequestState:
         self.detokenizer = (IncrementalDetokenizer(decoder, seq.token_ids, tuple(seq.params.stop))
                             if decoder is not None else None)
         self.logprobs: list[dict[int, float]] | None = [] if seq.params.logprobs is not None else None
+        #: filled position by position as prompt chunks are computed; the samples of a request share it
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * seq.num_prompt_tokens if seq.params.prompt_logprobs is not None else None)
         #: why a failed step ended this request (``None`` otherwise)
         self.error: str | None = None
 
@@ -39,6 +42,15 @@ class RequestState:
     def mark_scheduled(self, now: float) -> None:
         if self.metrics.first_scheduled_time is None:
             self.metrics.first_scheduled_time = now
+
+    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
+        """Record the logprobs of prompt tokens ``first ..``; positions already known (a recompute) stay."""
+        known = self.prompt_logprobs
+        if known is None:
+            return
+        for position, entry in enumerate(entries, first):
+            if known[position] is None:
+                known[position] = entry
 
     def add_token(self, token_id: int, logprobs: dict[int, float] | None, now: float) -> bool:
         """Record a token the sequence just appended; True if a stop string now ends the text."""
@@ -73,6 +85,7 @@ class RequestState:
             finish_reason=seq.finish_reason if finished else None,  # type: ignore[arg-type]
             metrics=_copy_metrics(self.metrics),
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             delta_text=delta,
             num_cached_tokens=seq.num_cached_tokens,
             index=seq.index,
