@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.ops import reference
-from kunlun_infer.plugins import cpu_gemm, cpu_kernels, cpu_native
+from kunlun_infer.plugins import cpu_attention, cpu_gemm, cpu_kernels, cpu_native
 from kunlun_infer.testing import build_runtime, check_ops
 from tests.plugins.test_torch_ops import _batch
 
@@ -23,7 +23,7 @@ def attention_path(request, monkeypatch):
     if request.param == "native" and cpu_native.library() is None:
         pytest.skip("no AVX512-BF16 CPU, or no C compiler")
     if request.param == "sdpa":
-        monkeypatch.setattr(cpu_kernels, "native_decode_attention", lambda *args: None)
+        monkeypatch.setattr(cpu_attention, "native_decode_attention", lambda *args: None)
     return request.param
 
 
@@ -66,13 +66,13 @@ def test_paged_attention_low_precision_keeps_its_dtype_and_accuracy(attention_pa
 @needs_native
 def test_native_decode_attention_reads_the_cache_in_place():
     q, k_cache, v_cache, tables, lens, qsl, scale = _batch([(9, 1), (4, 1)], hq=4, hk=2, d=16, block_size=4)
-    before = cpu_kernels.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    before = cpu_attention.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
     unused[tables[0, :3].long()] = False
     unused[tables[1, :1].long()] = False
     k_cache[unused] = float("nan")  # blocks no sequence owns are never read
     v_cache[unused] = float("nan")
-    after = cpu_kernels.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    after = cpu_attention.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
@@ -142,3 +142,59 @@ def test_bf16_model_on_cpu_ops_matches_transformers_and_counts_packed_weights(tm
         out = PagedKV(model, block_size=4).step(prompts)
     for i, tokens in prompts.items():
         assert max_relative_error(out[i], hf_logits(hf, tokens)) < 3e-2
+
+
+# ---------------------------------------------------------------------- norms, SwiGLU, rotary
+
+#: float32 agrees to rounding; bf16 to one unit in the last place (the reference's own roundings are reproduced)
+_CLOSE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-6)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (5, 72), (3, 7), (300, 256)])  # tails, and enough to thread
+def test_fused_rms_norms_match_reference(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows + hidden)
+    x, residual = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(hidden, generator=g).to(dtype)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6),
+                               **_CLOSE[dtype])
+    out, summed = cpu_kernels.add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_summed = reference.add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(summed, ref_summed, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, **_CLOSE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2 * 48), (7, 2 * 13), (2, 3, 2 * 64), (100, 2 * 768)])
+def test_fused_silu_and_mul_matches_reference(dtype, shape):
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(x), reference.silu_and_mul(x), **_CLOSE[dtype])
+
+
+def _rotary_inputs(dtype, tokens, hq, hk, d, max_pos=64):
+    g = torch.Generator().manual_seed(tokens * d)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    emb = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv).repeat(1, 2)
+    cache = torch.stack((emb.cos(), emb.sin()), dim=1)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=g).to(dtype)  # q and k as slices of one projection
+    q = qkv[:, :hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(tokens, hk, d)
+    positions = torch.randint(0, max_pos, (tokens,), generator=g)
+    return positions, q, k, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hq, hk, d", [(9, 4, 2, 32), (1, 14, 2, 64), (5, 3, 1, 20), (400, 8, 2, 64)])
+def test_fused_rotary_matches_reference_on_slices_of_a_fused_projection(dtype, tokens, hq, hk, d):
+    args = _rotary_inputs(dtype, tokens, hq, hk, d)
+    got, want = cpu_kernels.rotary_embedding(*args), reference.rotary_embedding(*args)
+    for a, b in zip(got, want):
+        assert a.is_contiguous()
+        torch.testing.assert_close(a, b, **_CLOSE[dtype])
+
+
+def test_fused_rotary_refuses_a_position_outside_the_table_as_the_reference_does():
+    positions, q, k, cache = _rotary_inputs(torch.float32, 3, 2, 1, 16)
+    positions[1] = cache.shape[0]
+    with pytest.raises(IndexError):
+        cpu_kernels.rotary_embedding(positions, q, k, cache)

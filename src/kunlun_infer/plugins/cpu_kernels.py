@@ -1,4 +1,4 @@
-"""Tuned host-CPU kernels for the ``cpu`` ops option; each op's plain-torch reference stays the definition.
+"""The ``cpu`` op table: tuned host-CPU kernels; each op's plain-torch reference stays the definition.
 
 Where the time of a CPU step goes, and what each kernel does about it:
 
@@ -8,18 +8,12 @@ Where the time of a CPU step goes, and what each kernel does about it:
   kernel is not available, for oneDNN (``mkldnn._reorder_linear_weight``,
   then ``mkldnn._linear_pointwise``), still markedly faster than ``F.linear``
   on bf16. Other dtypes keep the weight as it is and use ``F.linear``.
-- ``paged_attention`` — decode tokens of the whole batch go to the C kernel
-  of ``native/paged_decode_attention.c``, which reads each cached key and
-  value once, in place, through the block tables (no gathered copy), for
-  all query heads sharing a KV head, in float32. Without it they run as one
-  SDPA over their block-gathered K/V (``index_select`` of the blocks in use)
-  in the cache's dtype (the CPU SDPA kernel accumulates low precision in
-  float32 itself), with the ``Hq / Hk`` query heads of a KV head folded into
-  the query-length axis so K/V are never repeated per query head. Prompts
-  run one SDPA each: plain causal without a cached prefix, bottom-right
-  causal mask with one.
-- ``rms_norm`` / ``add_rms_norm`` — torch's fused ``rms_norm`` on the float32
-  upcast, rounded and scaled like the reference.
+- ``paged_attention`` — :mod:`kunlun_infer.plugins.cpu_attention`: decode
+  reads K/V in place through the block tables, prompts run through SDPA.
+- ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_embedding`` —
+  one C call each (``native/elementwise.c``) instead of five to fifteen
+  torch ops, with the reference's roundings; plain torch where the native
+  library is missing or the layout does not fit.
 
 Every kernel is checked against :mod:`kunlun_infer.ops.reference` by the
 conformance suite (``kunlun_infer.testing``).
@@ -33,13 +27,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.ops import OP_SPECS, reference
 from kunlun_infer.plugins import cpu_gemm, cpu_native
+from kunlun_infer.plugins.cpu_attention import paged_attention
 
 #: attribute set on a weight this module reordered for oneDNN
 _ONEDNN_PACKED = "_kunlun_onednn_packed"
 #: batch size oneDNN is told to expect when it chooses the blocked layout (1 streams best, larger is no faster)
 _PACK_BATCH_HINT = 1
+_NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @functools.cache
@@ -53,6 +49,17 @@ def onednn_linear_available() -> bool:
         return bool(torch.all(out == 16))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
+
+
+def _native(*tensors: torch.Tensor) -> Any:
+    """The native library when every tensor is a contiguous host tensor of one dtype it handles, else None."""
+    lib = cpu_native.library()
+    dtype = tensors[0].dtype
+    if lib is None or dtype not in _NATIVE_DTYPES:
+        return None
+    if all(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return lib
+    return None
 
 
 # ---------------------------------------------------------------------- linear
@@ -79,120 +86,74 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-# ---------------------------------------------------------------------- norms
+# ---------------------------------------------------------------------- norms, activation, rotary
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference's numerics (normalise in float32, round, then scale) with a fused normalisation."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return weight * normed.to(x.dtype)
+    """``weight * x / sqrt(mean(x**2) + eps)``, normalised in float32 like the reference."""
+    lib = _native(x, weight)
+    if lib is None or weight.shape != x.shape[-1:]:
+        return reference.rms_norm(x, weight, eps)
+    out = torch.empty_like(x)
+    lib.kunlun_rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.numel() // x.shape[-1],
+                        x.shape[-1], eps, x.dtype is torch.bfloat16)
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual' = x + residual``; returns ``(rms_norm(residual'), residual')``."""
-    summed = x + residual
-    return rms_norm(summed, weight, eps), summed
+    lib = _native(x, residual, weight)
+    if lib is None or weight.shape != x.shape[-1:] or residual.shape != x.shape:
+        return reference.add_rms_norm(x, residual, weight, eps)
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    lib.kunlun_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), summed.data_ptr(),
+                        x.numel() // x.shape[-1], x.shape[-1], eps, x.dtype is torch.bfloat16)
+    return out, summed
 
 
-# ---------------------------------------------------------------------- paged attention
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :n]) * x[..., n:]`` (SwiGLU) in one pass."""
+    lib = _native(x)
+    if lib is None or x.shape[-1] % 2:
+        return reference.silu_and_mul(x)
+    n = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    lib.kunlun_silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n, x.dtype is torch.bfloat16)
+    return out
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Tensor:
-    """Blocks ``block_ids`` (``[rows, n]``) of a ``[blocks, bs, Hk, D]`` cache as ``[rows, Hk, n*bs, D]``."""
-    blocks = cache.index_select(0, block_ids.reshape(-1))
-    return blocks.view(rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+def _token_stride(t: torch.Tensor) -> int | None:
+    """Elements between tokens of a ``[T, H, D]`` tensor whose heads are contiguous, else ``None``."""
+    if t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+        return t.stride(0)
+    return None
 
 
-def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """Decode attention by ``native/paged_decode_attention.c``, reading K/V in place through the block
-    tables; ``None`` when that kernel does not apply (library, dtype or head size)."""
-    dtype = k_cache.dtype
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of ``q`` and ``k`` in one pass; same contract as the reference."""
     lib = cpu_native.library()
-    if (lib is None or dtype not in (torch.bfloat16, torch.float32) or v_cache.dtype != dtype
-            or q.shape[-1] % 16 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        return None
-    batch, num_q_heads, head_dim = q.shape
-    query = q.to(dtype).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(query)
-    status = lib.kunlun_paged_decode_attention(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), out.data_ptr(), batch, num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        scale, dtype is torch.bfloat16)
-    if status != 0:
-        raise MemoryError(f"paged decode attention could not allocate its scratch for {batch} sequences")
-    return out
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """One query token per sequence: ``q`` ``[B, Hq, D]`` → ``[B, Hq, D]``, without copying K/V where the
-    native kernel applies, else one SDPA for the batch over block-gathered K/V."""
-    native = native_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    if native is not None:
-        return native
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    num_blocks = -(-max_len // block_size)
-    # entries past a sequence's own blocks may hold anything: clamp them into range, the mask hides them
-    ids = block_tables[:, :num_blocks].long().clamp_(0, k_cache.shape[0] - 1)
-    k = _gather(k_cache, ids, batch)
-    v = _gather(v_cache, ids, batch)
-    width = num_blocks * block_size
-    mask = (torch.arange(width, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
-    grouped = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim).to(k.dtype)
-    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(batch, num_q_heads, head_dim)
-
-
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                      ctx: int, scale: float) -> torch.Tensor:
-    """The new tokens ``q`` ``[Lq, Hq, D]`` of one sequence with ``ctx`` tokens of context."""
-    block_size = k_cache.shape[1]
-    ids = table[: -(-ctx // block_size)].long().unsqueeze(0)
-    k = _gather(k_cache, ids, 1)[:, :, :ctx]
-    v = _gather(v_cache, ids, 1)[:, :, :ctx]
-    q_len = q.shape[0]
-    query = q.transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, Hq, Lq, D]
-    gqa = q.shape[1] != k.shape[1]
-    if q_len == ctx:  # no cached prefix: plain causal
-        out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # bottom-right causal
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out[0].transpose(0, 1)
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention over paged K/V; same contract as the reference ``paged_attention``."""
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    num_seqs = len(lens)
-    q_lens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
-    if all(n == 1 for n in q_lens):  # decode only: one query per sequence, rows in sequence order
-        return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale).to(q.dtype)
-    out = torch.empty_like(q)
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
-        rows = torch.tensor([qsl[i] for i in decode], device=q.device)
-        idx = torch.tensor(decode, device=q.device)
-        out[rows] = decode_attention(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, idx),
-                                     seq_lens.index_select(0, idx), max(lens[i] for i in decode),
-                                     scale).to(q.dtype)
-    for i, n in enumerate(q_lens):
-        start, end = qsl[i], qsl[i + 1]
-        if n > 1:
-            out[start:end] = prefill_attention(q[start:end], k_cache, v_cache, block_tables[i], lens[i],
-                                               scale).to(q.dtype)
-    return out
+    q_stride, k_stride = _token_stride(q), _token_stride(k)
+    if (lib is None or q.dtype not in _NATIVE_DTYPES or k.dtype != q.dtype or q_stride is None or k_stride is None
+            or q.device.type != "cpu" or k.device.type != "cpu" or q.shape[-1] % 2 or q.shape[-1] != k.shape[-1]
+            or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()
+            or cos_sin_cache.shape[1:] != (2, q.shape[-1]) or positions.dtype != torch.int64
+            or not positions.is_contiguous() or not q.shape[0] == k.shape[0] == positions.numel()):
+        return reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    q_out = torch.empty(q.shape, dtype=q.dtype)
+    k_out = torch.empty(k.shape, dtype=k.dtype)
+    status = lib.kunlun_rotary(positions.data_ptr(), q.data_ptr(), q_stride, k.data_ptr(), k_stride,
+                               cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], q_out.data_ptr(), k_out.data_ptr(),
+                               q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.dtype is torch.bfloat16)
+    if status != 0:  # a position outside the table: the reference raises the error a user should see
+        return reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    return q_out, k_out
 
 
 def kernels() -> dict[str, Any]:
     """The ``cpu`` op table: the tuned kernels above, the references for the rest."""
     table = {name: spec.reference for name, spec in OP_SPECS.items()}
-    table.update(rms_norm=rms_norm, add_rms_norm=add_rms_norm, paged_attention=paged_attention,
+    table.update(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul,
+                 rotary_embedding=rotary_embedding, paged_attention=paged_attention,
                  pack_linear_weight=pack_linear_weight, linear=linear)
     return table
