@@ -28,6 +28,20 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The 16 horizontal sums of v[0..15] as one vector (lane i = sum of v[i]), by interleaving adds. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e, f, 0x88), _mm512_shuffle_f32x4(e, f, 0xDD));
+}
+
 static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t index, const int bf16) {
     if (bf16) {
         const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
@@ -43,28 +57,45 @@ static inline __attribute__((always_inline)) void store16(void *base, int64_t in
         _mm512_storeu_ps((float *)base + index, value);
 }
 
+#define MAX_GROUP 16
+
 static inline __attribute__((always_inline)) void one_head(
         const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int64_t len, void *out,
         int64_t b, int64_t h, int64_t hq, int64_t hk, int64_t d, int64_t block_size, float scale,
         float *work, const int bf16) {
     const int64_t group = hq / hk, chunks = d / 16;
-    float *qf = work, *acc = work + group * d, *scores = work + 2 * group * d;
-    const __m512 vscale = _mm512_set1_ps(scale);
+    float *qf = work, *scores = work + group * d;
     for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t row = (b * hq + h * group + g) * d;
-            _mm512_storeu_ps(qf + g * d + 16 * c, _mm512_mul_ps(load16(q, row + 16 * c, bf16), vscale));
+        for (int64_t c = 0; c < chunks; c++)
+            _mm512_storeu_ps(qf + g * d + 16 * c, load16(q, (b * hq + h * group + g) * d + 16 * c, bf16));
+    /* scores: q . k for every cached key, 16 keys at a time per query head (one transposing sum for 16 dots) */
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t tn = len - t0 < 16 ? len - t0 : 16;
+        int64_t keys[16];
+        for (int64_t i = 0; i < tn; i++) {
+            const int64_t t = t0 + i;
+            keys[i] = (((int64_t)table[t / block_size] * block_size + t % block_size) * hk + h) * d;
         }
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const int64_t key = (slot * hk + h) * d;
         for (int64_t g = 0; g < group; g++) {
-            __m512 dot = _mm512_setzero_ps();
-            for (int64_t c = 0; c < chunks; c++)
-                dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + 16 * c), load16(k_cache, key + 16 * c, bf16), dot);
-            scores[g * len + t] = _mm512_reduce_add_ps(dot);
+            __m512 dots[16];
+            for (int64_t i = 0; i < 16; i++) dots[i] = _mm512_setzero_ps();
+            if (bf16 && d % 32 == 0) {  /* bf16 pairs straight into VDPBF16PS, float32 sums */
+                const uint16_t *qg = (const uint16_t *)q + (b * hq + h * group + g) * d;
+                for (int64_t i = 0; i < tn; i++)
+                    for (int64_t c = 0; c < d; c += 32)
+                        dots[i] = _mm512_dpbf16_ps(dots[i], (__m512bh)_mm512_loadu_si512(qg + c),
+                                                   (__m512bh)_mm512_loadu_si512((const uint16_t *)k_cache + keys[i] + c));
+            } else {
+                for (int64_t i = 0; i < tn; i++)
+                    for (int64_t c = 0; c < chunks; c++)
+                        dots[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + 16 * c),
+                                                  load16(k_cache, keys[i] + 16 * c, bf16), dots[i]);
+            }
+            const __mmask16 m = tn == 16 ? 0xFFFF : (__mmask16)((1u << tn) - 1);
+            _mm512_mask_storeu_ps(scores + g * len + t0, m, _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
         }
     }
+    /* softmax per query head, float32 */
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * len;
         __m512 vmax = _mm512_set1_ps(-3.0e38f);
@@ -74,35 +105,34 @@ static inline __attribute__((always_inline)) void one_head(
         for (; t < len; t++) top = s[t] > top ? s[t] : top;
         __m512 vsum = _mm512_setzero_ps();
         const __m512 vtop = _mm512_set1_ps(top);
-        for (t = 0; t + 16 <= len; t += 16) {
-            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vtop));
-            _mm512_storeu_ps(s + t, e);
-            vsum = _mm512_add_ps(vsum, e);
+        for (t = 0; t < len; t += 16) {
+            const __mmask16 m = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vtop));
+            _mm512_mask_storeu_ps(s + t, m, e);
+            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
         }
-        if (t < len) {
-            const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1);
-            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), vtop));
-            _mm512_mask_storeu_ps(s + t, tail, e);
-            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+        for (t = 0; t < len; t += 16) {
+            const __mmask16 m = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
+            _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
         }
-        const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
-        for (t = 0; t < len; t++) s[t] *= inv;
-        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(acc + g * d + 16 * c, _mm512_setzero_ps());
     }
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const int64_t value = (slot * hk + h) * d;
-        for (int64_t c = 0; c < chunks; c++) {
-            const __m512 v = load16(v_cache, value + 16 * c, bf16);
-            for (int64_t g = 0; g < group; g++) {
-                float *a = acc + g * d + 16 * c;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + t]), v, _mm512_loadu_ps(a)));
+    /* out = probabilities @ values: 16 features at a time, the group's accumulators in registers */
+    for (int64_t c = 0; c < chunks; c++) {
+        for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
+            const int64_t gn = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
+            __m512 acc[MAX_GROUP];
+            for (int64_t g = 0; g < gn; g++) acc[g] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < len; t++) {
+                const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+                const __m512 v = load16(v_cache, (slot * hk + h) * d + 16 * c, bf16);
+                for (int64_t g = 0; g < gn; g++)
+                    acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(g0 + g) * len + t]), v, acc[g]);
             }
+            for (int64_t g = 0; g < gn; g++)
+                store16(out, (b * hq + h * group + g0 + g) * d + 16 * c, acc[g], bf16);
         }
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < chunks; c++)
-            store16(out, (b * hq + h * group + g) * d + 16 * c, _mm512_loadu_ps(acc + g * d + 16 * c), bf16);
 }
 
 /*
@@ -116,7 +146,7 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
                                   float scale, int bf16) {
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
-    const int64_t group = hq / hk, per_item = 2 * group * d + group * longest;
+    const int64_t group = hq / hk, per_item = group * d + group * longest;
     int failed = 0;
     #pragma omp parallel reduction(|| : failed)
     {
