@@ -181,7 +181,10 @@ def kunlun_infer_ops_factories() -> Mapping[str, OpsFactory]:
         a plain-torch reference, the definition of its meaning). A provider may
         cover any subset; ``supports(op)`` must answer truthfully, since the
         runtime resolves every op before the first step and falls back to the
-        reference for gaps (or refuses under ``ops.strict``). A provider that
+        reference for gaps (or refuses under ``ops.strict``).
+        ``kunlun-infer plugins`` builds providers with ``device=None`` to list
+        coverage without hardware: a factory must then answer for the device
+        type it targets, without touching hardware. A provider that
         implements ``pack_linear_weight`` must also implement ``linear``; its
         ``linear`` receives only weights its own ``pack_linear_weight`` made.
         Kernels run on the compute stream.

@@ -97,8 +97,9 @@ def make_torch_ops(*, config: Any, device: Device) -> DictOpsProvider:
     return DictOpsProvider(kernels(), name="torch")
 
 
-def make_cpu_ops(*, config: Any, device: Device) -> DictOpsProvider:
-    if device.torch_device.type != "cpu":
+def make_cpu_ops(*, config: Any, device: Device | None) -> DictOpsProvider:
+    # device is None when only coverage is asked for: answer for the host CPU this option targets
+    if device is not None and device.torch_device.type != "cpu":
         log.info("ops=cpu on device '%s' (tensors on %s): using the plain torch kernels", device.name,
                  device.torch_device)
         return make_torch_ops(config=config, device=device)
