@@ -37,7 +37,9 @@ def test_json_matrix_carries_coverage_per_ops_option():
     simchip = data["ops_coverage"]["simchip"]
     assert simchip["plugin"] == "simchip" and simchip["error"] is None
     assert simchip["fallbacks"] == ["paged_attention", "rotary_embedding"]
-    assert data["ops_coverage"]["torch"]["fallbacks"] == []  # the built-in op table is complete
+    for builtin in ("torch", "cpu"):  # the built-in op tables are complete and answer without a device
+        assert data["ops_coverage"][builtin]["error"] is None
+        assert data["ops_coverage"][builtin]["fallbacks"] == []
     row = next(p for p in data["plugins"] if p["name"] == "simchip")
     assert row["distribution"] == "kunlun-infer-simchip" and row["options"]["device"] == ["simchip"]
 
