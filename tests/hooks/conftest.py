@@ -1,7 +1,7 @@
 """Fixtures for the hooks packages' integration tests: a tiny random Llama and its transformers references.
 
 The separately installable plugins under ``hooks/`` must be installed
-(``hooks/install.sh``, or ``pip install -e hooks/<pkg> --no-deps``); a test
+(``pip install ./hooks/*``, as .ci/run does, or ``pip install -e hooks/<pkg> --no-deps``); a test
 module that needs one skips with the install command when it is missing.
 """
 
