@@ -12,7 +12,7 @@
 
 #define PARALLEL_MIN_ELEMENTS 65536
 
-static inline __m512 exp_neg_ps(__m512 x) {  /* e^x, x clamped to [-87, 88] */
+static inline __m512 exp_ps(__m512 x) {  /* e^x, x clamped to [-87, 88] */
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -99,7 +99,8 @@ static inline __attribute__((always_inline)) void swiglu_row(const void *x, void
         const __m512 gate = load(x, row * 2 * n + i, m, bf16);
         const __m512 up = load(x, row * 2 * n + n + i, m, bf16);
         const __m512 one = _mm512_set1_ps(1.0f);
-        const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, exp_neg_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+        const __m512 neg_gate = _mm512_sub_ps(_mm512_setzero_ps(), gate);
+        const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, exp_ps(neg_gate)));
         store(out, row * n + i, _mm512_mul_ps(as_dtype(silu, bf16), up), m, bf16);
     }
 }

@@ -81,10 +81,11 @@ static inline __attribute__((always_inline)) void one_head(
             for (int64_t i = 0; i < 16; i++) dots[i] = _mm512_setzero_ps();
             if (bf16 && d % 32 == 0) {  /* bf16 pairs straight into VDPBF16PS, float32 sums */
                 const uint16_t *qg = (const uint16_t *)q + (b * hq + h * group + g) * d;
+                const uint16_t *keys_bf16 = (const uint16_t *)k_cache;
                 for (int64_t i = 0; i < tn; i++)
                     for (int64_t c = 0; c < d; c += 32)
                         dots[i] = _mm512_dpbf16_ps(dots[i], (__m512bh)_mm512_loadu_si512(qg + c),
-                                                   (__m512bh)_mm512_loadu_si512((const uint16_t *)k_cache + keys[i] + c));
+                                                   (__m512bh)_mm512_loadu_si512(keys_bf16 + keys[i] + c));
             } else {
                 for (int64_t i = 0; i < tn; i++)
                     for (int64_t c = 0; c < chunks; c++)
