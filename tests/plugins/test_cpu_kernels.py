@@ -76,6 +76,18 @@ def test_native_decode_attention_reads_the_cache_in_place():
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
+@needs_native
+def test_native_decode_attention_refuses_a_table_that_points_outside_the_cache():
+    q, k_cache, v_cache, tables, lens, qsl, scale = _batch([(9, 1), (4, 1)], hq=4, hk=2, d=16, block_size=4)
+    tables[0, 2] = k_cache.shape[0]  # a block id past the cache, inside the context
+    with pytest.raises(IndexError, match="block"):
+        cpu_attention.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    tables[0, 2] = 0
+    lens[1] = 4 * tables.shape[1] + 1  # a context longer than its table
+    with pytest.raises(IndexError, match="block"):
+        cpu_attention.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+
+
 def _assert_linear_like_f_linear(pack, linear, out_features, in_features, rows_list, bias=True):
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
@@ -198,3 +210,31 @@ def test_fused_rotary_refuses_a_position_outside_the_table_as_the_reference_does
     positions[1] = cache.shape[0]
     with pytest.raises(IndexError):
         cpu_kernels.rotary_embedding(positions, q, k, cache)
+
+
+# ---------------------------------------------------------------------- building the native kernels
+
+def test_native_kernels_are_skipped_without_a_compiler_or_when_the_build_fails(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: cpu_native.REQUIRED_CPU_FLAGS)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-anywhere")
+    assert cpu_native.library.__wrapped__() is None
+    monkeypatch.setenv("CC", "false")  # found, but every build fails
+    assert cpu_native.library.__wrapped__() is None
+    assert not list((tmp_path / "kunlun_infer" / "kernels").glob("*.so"))  # no half-written library left
+
+
+def test_native_kernels_are_skipped_on_a_cpu_without_avx512_bf16(monkeypatch):
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_native.library.__wrapped__() is None
+
+
+@needs_native
+def test_native_kernels_are_built_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = cpu_native.library.__wrapped__()
+    built = list((tmp_path / "kunlun_infer" / "kernels").glob("*.so"))
+    assert first is not None and len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert cpu_native.library.__wrapped__() is not None
+    assert [p.stat().st_mtime_ns for p in built] == [stamp]

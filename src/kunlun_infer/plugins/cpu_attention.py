@@ -33,7 +33,8 @@ def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     dtype = k_cache.dtype
     lib = cpu_native.library()
     if (lib is None or dtype not in (torch.bfloat16, torch.float32) or v_cache.dtype != dtype
-            or q.shape[-1] % 16 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            or q.shape[-1] % 16 or q.shape[-1] != k_cache.shape[-1] or k_cache.shape != v_cache.shape
+            or q.shape[1] % k_cache.shape[2] or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return None
     batch, num_q_heads, head_dim = q.shape
     query = q.to(dtype).contiguous()
@@ -41,9 +42,12 @@ def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(query)
     status = lib.kunlun_paged_decode_attention(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), out.data_ptr(), batch, num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        scale, dtype is torch.bfloat16)
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), out.data_ptr(), batch, num_q_heads, k_cache.shape[2], head_dim,
+        k_cache.shape[1], scale, dtype is torch.bfloat16)
+    if status == -2:
+        raise IndexError(f"paged_attention: a sequence's context ({seq_lens.tolist()}) reaches past its block table "
+                         f"or a block id is outside the cache's {k_cache.shape[0]} blocks")
     if status != 0:
         raise MemoryError(f"paged decode attention could not allocate its scratch for {batch} sequences")
     return out

@@ -53,6 +53,8 @@ def is_packed(weight: object) -> bool:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight from :func:`pack`, in bf16 with float32 accumulation."""
     n, k = getattr(packed, PACKED_OUT_FEATURES), packed.shape[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: input features {x.shape[-1]} do not match the weight's {k}")
     rows = x.reshape(-1, k).to(torch.bfloat16).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     if rows.shape[0]:

@@ -37,7 +37,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
     "kunlun_pack_bf16": ([_P, _P, _I64, _I64], None),
     "kunlun_gemm_bf16": ([_P, _P, _P, _P, _I64, _I64, _I64], None),
-    "kunlun_paged_decode_attention": ([_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
+    "kunlun_paged_decode_attention": ([_P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                        ctypes.c_float, ctypes.c_int], ctypes.c_int),
     "kunlun_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int], None),
     "kunlun_silu_and_mul": ([_P, _P, _I64, _I64, ctypes.c_int], None),

@@ -137,16 +137,25 @@ static inline __attribute__((always_inline)) void one_head(
 }
 
 /*
- * q, out: [B, Hq, D]; k_cache, v_cache: [blocks, block_size, Hk, D]; block_tables: [B, table_stride] int32;
- * seq_lens: [B] int32 (context length including the query token). D % 16 == 0; all in the dtype given
- * by bf16 (1: bfloat16, 0: float32). Returns 0, or -1 if scratch memory could not be allocated.
+ * q, out: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]; block_tables: [B, table_stride]
+ * int32; seq_lens: [B] int32 (context length including the query token). D % 16 == 0; all in the dtype
+ * given by bf16 (1: bfloat16, 0: float32). Returns 0; -1 if scratch memory could not be allocated; -2,
+ * having read nothing, if a context reaches past its table or uses a block id outside [0, num_blocks).
  */
-int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
                                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                   void *out, int64_t batch, int64_t hq, int64_t hk, int64_t d, int64_t block_size,
                                   float scale, int bf16) {
     int64_t longest = 0;
-    for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t len = seq_lens[b], used = (len + block_size - 1) / block_size;
+        if (len < 1 || used > table_stride) return -2;
+        for (int64_t i = 0; i < used; i++) {
+            const int32_t block = block_tables[b * table_stride + i];
+            if (block < 0 || block >= num_blocks) return -2;
+        }
+        longest = len > longest ? len : longest;
+    }
     const int64_t group = hq / hk, per_item = group * d + group * longest;
     int failed = 0;
     #pragma omp parallel reduction(|| : failed)
