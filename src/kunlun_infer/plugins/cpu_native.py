@@ -29,6 +29,8 @@ from kunlun_infer.plugins.cpu_device import cpu_flags
 log = logging.getLogger("kunlun_infer.plugin.torch-ops")
 
 SOURCES = tuple(sorted((Path(__file__).parent / "native").glob("*.c")))
+#: included by the sources; part of the build's cache key so an edit rebuilds
+HEADERS = tuple(sorted((Path(__file__).parent / "native").glob("*.h")))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 
@@ -61,7 +63,7 @@ def _build(compiler: str) -> Path:
     """Compile the sources into the cache (once; concurrent builders each write a temp file, then rename)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"kunlun_cpu-{digest.hexdigest()[:16]}.so"
     if not target.exists():
