@@ -10,20 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.engine.tiny_models import build_tiny_model, engine_overrides
+from tests.torch_threads import one_thread  # noqa: F401  (autouse for this package)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from threads, and lose a lot when the cores are busy elsewhere."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
