@@ -137,19 +137,46 @@ def test_float32_weights_stay_as_they_are():
     torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))
 
 
-def test_bf16_model_on_cpu_ops_matches_transformers_and_counts_packed_weights(tmp_path):
+@pytest.fixture(params=["this-cpu", "avx2-only"])
+def cpu_kernel_set(request, monkeypatch):
+    """The kernels this CPU chooses, and those an AVX2-only CPU gets (no native library: oneDNN or torch)."""
+    if request.param == "avx2-only":
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+        monkeypatch.setattr(cpu_gemm, "available", lambda: False)
+    return request.param
+
+
+def _packed_nbytes(shape: tuple[int, int]) -> int:
+    """Bytes a bf16 ``[out, in]`` weight occupies once ``ops=cpu`` packed it, by whichever kernel is chosen."""
+    packed = cpu_kernels.pack_linear_weight(torch.zeros(shape, dtype=torch.bfloat16))
+    return packed.numel() * packed.element_size()
+
+
+def test_bf16_model_on_cpu_ops_matches_transformers_and_counts_packed_weights(tmp_path, cpu_kernel_set):
     from kunlun_infer.models import load_model
     from tests.models.hf_factory import build_hf_model
     from tests.models.paged import PagedKV, hf_logits, max_relative_error
 
     hf = build_hf_model(tmp_path, "qwen3", dtype=torch.bfloat16, tie_word_embeddings=True)
+    with build_runtime(["ops=torch"]) as rt:  # no packing: the logical shapes of the linears and the LM head
+        shapes = {name: tuple(m.packed_weight.shape) for name, m in load_model(tmp_path, runtime=rt,
+                  dtype=torch.bfloat16).named_modules() if hasattr(m, "packed_weight")}
+    linear_bytes = sum(_packed_nbytes(shape) for shape in shapes.values())
+    logical_linear_bytes = sum(2 * out * inp for out, inp in shapes.values())
     with build_runtime(["ops=cpu"]) as rt:
         model = load_model(tmp_path, runtime=rt, dtype=torch.bfloat16)
-        # every linear weight was replaced by its packed copy; the tied embedding is kept beside the LM head's
+        packed = {name: m.packed_weight for name, m in model.named_modules() if hasattr(m, "packed_weight")}
+        assert packed.keys() == shapes.keys()
+        if cpu_gemm.available():  # packed for the native GEMM: tiles round out-features up to a multiple of 32
+            assert all(cpu_gemm.is_packed(w) for w in packed.values())
+            assert logical_linear_bytes <= linear_bytes <= 1.05 * logical_linear_bytes
+        elif cpu_kernels.onednn_linear_available():  # reordered for oneDNN, in whatever blocked layout it chose
+            assert all(w.layout != torch.strided for w in packed.values())
+        # each weight counted once: the packed copies (never their originals too) and the tied embedding
         params = sum(p.numel() for p in hf.parameters())
-        embedding = hf.get_input_embeddings().weight.numel()
-        expected = 2 * (params + embedding)  # packed tiles may round out-features up to a multiple of 32
-        assert expected <= model.weight_nbytes() <= 1.05 * expected
+        hf_linear = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear)
+                        and m.weight is not hf.get_input_embeddings().weight)
+        assert model.weight_nbytes() == 2 * (params - hf_linear) + linear_bytes
         prompts = {0: [5, 9, 2, 7, 11], 1: list(range(3, 15))}
         out = PagedKV(model, block_size=4).step(prompts)
     for i, tokens in prompts.items():
@@ -227,6 +254,21 @@ def test_native_kernels_are_skipped_without_a_compiler_or_when_the_build_fails(m
 def test_native_kernels_are_skipped_on_a_cpu_without_avx512_bf16(monkeypatch):
     monkeypatch.setattr(cpu_native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert cpu_native.library.__wrapped__() is None
+
+
+def test_the_isa_cap_makes_this_cpu_choose_an_avx2_machines_kernels(monkeypatch):
+    from kunlun_infer.errors import ConfigError
+    from kunlun_infer.plugins import cpu_device
+
+    native = cpu_device.cpu_flags()
+    monkeypatch.setenv(cpu_device.ISA_ENV, "avx2")
+    capped = cpu_device.cpu_flags()
+    assert not any(f.startswith(("avx512", "amx")) for f in capped)
+    assert capped == {f for f in native if not f.startswith(("avx512", "amx"))}
+    assert cpu_native.library.__wrapped__() is None
+    monkeypatch.setenv(cpu_device.ISA_ENV, "avx9000")
+    with pytest.raises(ConfigError, match="KUNLUN_INFER_CPU_ISA.*avx2"):
+        cpu_device.cpu_flags()
 
 
 @needs_native

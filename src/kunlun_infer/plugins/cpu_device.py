@@ -17,6 +17,7 @@ import torch
 
 from kunlun_infer import __version__
 from kunlun_infer.capabilities import Device
+from kunlun_infer.errors import ConfigError
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 
 PLUGIN_NAME = "cpu"
@@ -39,10 +40,24 @@ def _cpuinfo() -> dict[str, str]:
     return facts
 
 
+#: env var capping the instruction sets the host kernels may use, to run (and test) the kernels another CPU gets
+ISA_ENV = "KUNLUN_INFER_CPU_ISA"
+#: cap -> flag prefixes it hides
+_ISA_CAPS = {"native": (), "avx512": ("amx",), "avx2": ("avx512", "amx")}
+
+
 def cpu_flags() -> frozenset[str]:
-    """CPU feature flags (``avx2``, ``avx512_bf16`` …) as the OS reports them."""
+    """CPU feature flags (``avx2``, ``avx512_bf16`` …) as the OS reports them, less those ``$KUNLUN_INFER_CPU_ISA`` hides.
+
+    ``KUNLUN_INFER_CPU_ISA=avx2`` makes an AVX-512 machine choose the kernels of an AVX2-only one;
+    ``avx512`` hides AMX; ``native`` (or unset) hides nothing.
+    """
     info = _cpuinfo()
-    return frozenset((info.get("flags") or info.get("Features") or "").split())
+    flags = frozenset((info.get("flags") or info.get("Features") or "").split())
+    cap = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if cap not in _ISA_CAPS:
+        raise ConfigError(f"{ISA_ENV}={cap!r} is not a known instruction-set cap; use one of {sorted(_ISA_CAPS)}")
+    return frozenset(f for f in flags if not f.startswith(_ISA_CAPS[cap]))
 
 
 def _dtype_works(dtype: torch.dtype) -> bool:
