@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -80,12 +81,22 @@ def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_kv(server):
     assert metrics["kunlun_infer_kv_cache_usage_ratio"] == 0
 
 
-def test_a_non_streaming_client_timing_out_aborts_its_request(server):
+def test_a_non_streaming_client_timing_out_aborts_its_request(server, monkeypatch):
     assert wait_until(lambda: kv_all_free(server))
     aborted_before = server.metrics().get('kunlun_infer_requests_finished_total{reason="abort"}', 0)
+    client_gone = threading.Event()
+    step = server.engine.step
+
+    def step_held_until_the_client_gave_up():  # however fast this machine is, the request is still running
+        outputs = step()
+        client_gone.wait(timeout=30)
+        return outputs
+
+    monkeypatch.setattr(server.engine, "step", step_held_until_the_client_gave_up)
     body = {"prompt": "another long story", "max_tokens": 450, "ignore_eos": True, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    client_gone.set()
     assert wait_until(lambda: kv_all_free(server), timeout=20)
     assert server.metrics()['kunlun_infer_requests_finished_total{reason="abort"}'] == aborted_before + 1
 
