@@ -4,6 +4,8 @@ import httpx
 import openai
 import pytest
 
+from tests.server.test_no_paths import assert_no_paths
+
 
 def post(server, path, body, **kwargs):
     if isinstance(body, str):
@@ -14,6 +16,7 @@ def post(server, path, body, **kwargs):
 
 def assert_openai_error(response, status, param):
     assert response.status_code == status, response.text
+    assert_no_paths(response.text)
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and error["message"]
@@ -84,6 +87,10 @@ def test_unknown_model_and_route(server):
     assert error["code"] == "model_not_found"
     response = httpx.get(f"{server.url}/v1/nothing-here")
     assert response.status_code == 404 and "error" in response.json()
+    assert_no_paths(response.text)
+    wrong_method = httpx.delete(f"{server.url}/v1/completions")
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    assert_no_paths(wrong_method.text)
 
 
 def test_openai_client_sees_the_error_and_the_server_keeps_serving(client, server):

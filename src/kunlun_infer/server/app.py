@@ -28,6 +28,7 @@ from kunlun_infer.server.engine_loop import EngineLoop, EngineUnavailableError, 
 from kunlun_infer.server.generation import Generation
 from kunlun_infer.server.metrics import ServerMetrics
 from kunlun_infer.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error
+from kunlun_infer.server.redact import public_text
 from kunlun_infer.server.responses import DONE, ChatBuilder, CompletionBuilder, TokenText, sse
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -215,7 +216,8 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
         count("/health", 200 if ok else 503)
         if ok:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "reason": state.loop.failure or "shutting down"}, 503)
+        return JSONResponse({"status": "unavailable", "reason": public_text(state.loop.failure or "shutting down")},
+                            503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.errors import KunlunInferError, RequestError
+from kunlun_infer.server.redact import public_text
 
 
 class ApiError(KunlunInferError):
@@ -33,7 +34,9 @@ class ApiError(KunlunInferError):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+        """The OpenAI error body, its message without paths of the server's filesystem."""
+        return {"error": {"message": public_text(str(self)), "type": self.type, "param": self.param,
+                          "code": self.code}}
 
     @classmethod
     def from_request_error(cls, exc: RequestError) -> ApiError:
