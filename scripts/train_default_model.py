@@ -69,6 +69,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 EOT = "<|endoftext|>"
+#: chat template for a code model: the conversation as Python comments, the assistant's turn as plain code
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{ message['content'] ~ eos_token ~ '\\n' }}"
+    "{%- else -%}"
+    "{{ '# ' ~ message['role'] ~ ': ' ~ (message['content'] | replace('\\n', '\\n# ')) ~ '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
 SAMPLE_PROMPTS = [
     "def fibonacci(n):",
     "import os\n",
@@ -525,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     val_stream = encode_files(tok, val_texts, eot_id)
     log(f"tokenizer: vocab {tok.get_vocab_size()}, eot id {eot_id}, trained in {tok_seconds:.1f}s; "
         f"train {len(train_stream)} tokens, val {len(val_stream)} tokens")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     with open(out / "tokenizer_config.json", "w") as f:
         json.dump(
             {

@@ -161,3 +161,39 @@ def test_generate_command_streams_code_out_of_the_box(llm):
     expected = llm.generate(DEFAULT_PROMPT, ki.SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)[0]
     assert out.getvalue() == DEFAULT_PROMPT + expected.text + "\n"
     assert len([p for p in out.pieces if p.strip()]) > 2  # streamed piece by piece, not printed at the end
+
+
+CONVERSATION = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "Write a function\nthat adds two numbers."},
+                {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+                {"role": "user", "content": "Now one that subtracts."}]
+
+
+def test_chat_works_out_of_the_box_with_the_template_transformers_renders(llm, hf):
+    tokenizer, _ = hf
+    expected = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True)
+    expected = list(expected["input_ids"] if not isinstance(expected, list) else expected)
+    out = llm.chat(CONVERSATION, ki.SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected
+    assert len(out.token_ids) > 0 and out.finish_reason in ("stop", "length")
+    # the conversation reads as Python comments, the assistant's turn as code ending with the EOS token
+    rendered = tokenizer.decode(expected)
+    assert rendered.startswith("# system: You write Python.\n# user: Write a function\n# that adds")
+    assert "def add(a, b):\n    return a + b<|endoftext|>" in rendered
+
+
+def test_the_server_answers_chat_completions_on_the_default_model():
+    import openai
+
+    from tests.server.harness import RunningServer
+
+    with ki.LLM() as fresh:
+        server = RunningServer(fresh.engine, model_name="default")
+        try:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            reply = client.chat.completions.create(model="default", messages=CONVERSATION[:2], max_tokens=12,
+                                                   temperature=0)
+        finally:
+            server.stop()
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
