@@ -14,7 +14,8 @@ def stream(text, stop=(), prompt="ab"):
     detok = IncrementalDetokenizer(ByteDecoder(), list(prompt.encode()), tuple(stop))
     pieces = []
     for byte in text.encode():
-        stopped = detok.add_tokens([byte])
+        detok.add_tokens([byte])
+        stopped = detok.cut_at_stop_string()
         pieces.append(detok.emit())
         if stopped:
             break

@@ -117,6 +117,29 @@ def test_stop_string_is_cut_from_the_text(tiny_model, make_llm):
     assert out.token_ids == free_run.token_ids[:len(out.token_ids)]
 
 
+def test_min_tokens_holds_back_stop_strings_and_the_length_token_can_still_stop(tiny_model, make_llm):
+    llm = make_llm(tiny_model("llama"))
+    prompt = list("def fibonacci(n):".encode())
+    free_run = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+                            use_tqdm=False)[0]
+    text = free_run.text
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    # the token whose text completes the first occurrence of the stop string
+    completes = next(k for k in range(1, 33) if stop in llm.tokenizer.decode(free_run.token_ids[:k]))
+    greedy = {"temperature": 0, "ignore_eos": True, "stop": [stop]}
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=32, **greedy), use_tqdm=False)[0]
+    assert len(stopped.token_ids) == completes and stopped.finish_reason == "stop" and stop not in stopped.text
+    # the same stop string as the very last allowed token: a stop, cut from the text
+    at_length = llm.generate([prompt], SamplingParams(max_tokens=completes, **greedy), use_tqdm=False)[0]
+    assert (at_length.token_ids, at_length.text, at_length.finish_reason) == (
+        stopped.token_ids, stopped.text, "stop")
+    # within min_tokens the stop string is plain text, and generation goes on
+    held = llm.generate([prompt], SamplingParams(max_tokens=32, min_tokens=completes, **greedy), use_tqdm=False)[0]
+    assert held.token_ids == free_run.token_ids[:len(held.token_ids)]
+    assert len(held.token_ids) > completes
+    assert held.text.startswith(llm.tokenizer.decode(free_run.token_ids[:completes]))
+
+
 def test_streamed_text_adds_up_to_the_decoded_tokens(tiny_model, make_llm):
     llm = make_llm(tiny_model("qwen2"))
     engine = llm.engine

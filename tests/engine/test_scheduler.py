@@ -4,6 +4,7 @@ from kunlun_infer.engine.block_manager import BlockManager
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.scheduler import Scheduler
 from kunlun_infer.engine.sequence import Sequence, SequenceStatus
+from kunlun_infer.engine.stopping import stop_reason
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens=64, chunked=True, caching=True):
@@ -19,11 +20,19 @@ def add(sched, seq_id, prompt_len, max_tokens=4, first_token=0):
 
 
 def step(sched):
-    """One scheduling round with a fake model that always samples token 7."""
+    """One scheduling round with a fake model that always samples token 7; the sequences it finished."""
     batch = sched.schedule()
-    sampled = {i: 7 for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-               if s.num_computed_tokens + n == len(s)}
-    finished = sched.update(batch, sampled)
+    sampled = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+               if s.num_computed_tokens + n == len(s)]
+    sched.update(batch, set(sampled))
+    finished = []
+    for i in sampled:
+        seq = batch.seqs[i]
+        seq.append_token(7)
+        reason = stop_reason(seq, None)
+        if reason is not None:
+            sched.finish(seq, reason)
+            finished.append(seq)
     return batch, finished
 
 

@@ -35,7 +35,8 @@ def test_real_tokenizer_streams_multibyte_characters_whole(tiny_model):
         detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt: "), stop)
         pieces = []
         for token in ids:
-            stopped = detok.add_tokens([token])
+            detok.add_tokens([token])
+            stopped = detok.cut_at_stop_string()
             pieces.append(detok.emit())
             if stopped:
                 break

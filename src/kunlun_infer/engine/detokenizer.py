@@ -5,7 +5,9 @@ word-boundary spaces come out right) and only the text past what was
 already produced is added. Text is held back while it ends in an incomplete
 UTF-8 character (decoded as U+FFFD) or while its tail could be the start of a
 stop string, so a streaming client never sees a broken character or a
-partial stop string. When a stop string appears, the text is cut before it.
+partial stop string. When a stop string appears in text not emitted yet,
+:meth:`IncrementalDetokenizer.cut_at_stop_string` cuts the text before it;
+whether it ends generation is decided in ``engine/stopping.py``.
 """
 
 from __future__ import annotations
@@ -47,15 +49,11 @@ class IncrementalDetokenizer:
         """How many characters of :attr:`text` were handed out."""
         return self._num_emitted
 
-    def add_tokens(self, token_ids: list[int]) -> bool:
-        """Decode newly generated tokens; True when a stop string ended the text."""
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Decode newly generated tokens (whether a stop string ended the text is decided elsewhere)."""
         for token in token_ids:
-            if self.stopped:
-                break
             self._token_ids.append(token)
             self._text += self._decode_new()
-            self._check_stop()
-        return self.stopped
 
     def _decode_new(self) -> str:
         ids = self._token_ids
@@ -67,28 +65,37 @@ class IncrementalDetokenizer:
             return after[len(before):]
         return ""
 
-    def _check_stop(self) -> None:
+    def cut_at_stop_string(self) -> bool:
+        """Cut the text before the first stop string in the part not emitted yet; True if there was one.
+
+        Emitted text never holds a stop string, nor ends with the start of
+        one (see :meth:`emit`), so a stop string is looked for only past it.
+        """
         if not self._stop:
-            return
-        # emitted text never holds a stop string, nor ends with the start of one
+            return False
         start = self._num_emitted
         hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
         if hits:
             self._text = self._text[:min(hits)]
             self.stopped = True
+        return self.stopped
+
+    def flush(self) -> None:
+        """Decode the tokens still waiting for the rest of a UTF-8 character as they are (with U+FFFD).
+
+        A full decode of the tokens shows them so; done once the text ends.
+        """
+        if self.stopped or self._read_offset == len(self._token_ids):
+            return
+        ids = self._token_ids
+        before = self._decoder.decode(ids[self._prefix_offset:self._read_offset])
+        self._text += self._decoder.decode(ids[self._prefix_offset:])[len(before):]
+        self._read_offset = len(ids)
 
     def emit(self, final: bool = False) -> str:
-        """Text not handed out yet that is safe to show; everything left when ``final``.
-
-        On ``final``, tokens still waiting for the rest of a UTF-8 character
-        are decoded as they are (with U+FFFD), as a full decode would show them.
-        """
-        if final and not self.stopped and self._read_offset < len(self._token_ids):
-            ids = self._token_ids
-            before = self._decoder.decode(ids[self._prefix_offset:self._read_offset])
-            self._text += self._decoder.decode(ids[self._prefix_offset:])[len(before):]
-            self._read_offset = len(ids)
-            self._check_stop()
+        """Text not handed out yet that is safe to show; everything left when ``final`` (see :meth:`flush`)."""
+        if final:
+            self.flush()
         end = len(self._text)
         if not final and not self.stopped:
             end -= self._held_back()

@@ -291,7 +291,7 @@ class LLMEngine:
                                          {row: [c.generator for c in children] for row, children in forks.items()})
             now = time.monotonic()
             self._num_computed_tokens += batch.num_tokens
-            self.scheduler.update(batch, result.tokens, result.fork_tokens)
+            self.scheduler.update(batch, set(result.tokens))
             for row, (first, entries) in result.prompt_logprobs.items():
                 states[row].add_prompt_logprobs(first, entries)
             for row, token in result.tokens.items():
@@ -310,13 +310,12 @@ class LLMEngine:
 
     def _record(self, state: RequestState, token: int, logprobs: dict[int, float] | None, now: float,
                 outputs: list[RequestOutput]) -> None:
-        """Account a token the scheduler appended to ``state.seq`` and add the request's new output."""
+        """Add a token sampled for ``state.seq``, end the sequence if it stops there, and add its output."""
         seq = state.seq
         self._num_generated_tokens += 1
-        if state.add_token(token, logprobs, now):
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
-            seq.finish_reason = "stop"
+        reason = state.add_token(token, logprobs, now)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
         output = state.output(now)
         if not seq.is_finished:
             outputs.append(output)

@@ -46,8 +46,9 @@ class SamplingParams:
     in the OpenAI API: subtracted once per token present in the output, and
     once per occurrence). ``min_p`` drops tokens less likely than ``min_p``
     times the most likely one (0 = off). Until ``min_tokens`` tokens are
-    generated, EOS and ``stop_token_ids`` cannot be drawn. ``n`` draws that
-    many samples of the prompt; they share its KV cache.
+    generated, EOS and ``stop_token_ids`` cannot be drawn and ``stop``
+    strings end nothing (their text is kept). ``n`` draws that many samples
+    of the prompt; they share its KV cache.
     """
 
     max_tokens: int = 16

@@ -12,8 +12,9 @@ import time
 import torch
 
 from kunlun_infer.engine.detokenizer import Decoder, IncrementalDetokenizer
-from kunlun_infer.engine.outputs import RequestMetrics, RequestOutput
+from kunlun_infer.engine.outputs import FinishReason, RequestMetrics, RequestOutput
 from kunlun_infer.engine.sequence import Sequence
+from kunlun_infer.engine.stopping import stop_reason
 
 
 class RequestState:
@@ -52,8 +53,9 @@ class RequestState:
             if known[position] is None:
                 known[position] = entry
 
-    def add_token(self, token_id: int, logprobs: dict[int, float] | None, now: float) -> bool:
-        """Record a token the sequence just appended; True if a stop string now ends the text."""
+    def add_token(self, token_id: int, logprobs: dict[int, float] | None, now: float) -> FinishReason | None:
+        """Append a token sampled for the sequence; why it ends the sequence (``None``: it goes on)."""
+        self.seq.append_token(token_id)
         m = self.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -61,9 +63,9 @@ class RequestState:
         m.num_generated_tokens += 1
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
-        if self.detokenizer is None:
-            return False
-        return self.detokenizer.add_tokens([token_id])
+        if self.detokenizer is not None:
+            self.detokenizer.add_tokens([token_id])
+        return stop_reason(self.seq, self.detokenizer)
 
     def output(self, now: float) -> RequestOutput:
         """A snapshot for the user; on the final one the held-back text is released."""

@@ -141,44 +141,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the model ran
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int],
-               forked: dict[int, list[int]] | None = None) -> list[Sequence]:
-        """Record the step's progress; ``sampled`` maps batch index to the token sampled for it.
+    def update(self, batch: ScheduledBatch, sampled_rows: set[int] = frozenset()) -> None:
+        """Record the step's computed tokens; ``sampled_rows``: the batch rows whose logits were sampled.
 
-        ``forked`` maps the batch index of a sequence with pending ``forks``
-        to the first tokens sampled for them (from the same logits); those
-        samples are forked off it here and join ``running``. Returns the
-        sequences that finished by token (stop token or length); their
-        blocks are already freed.
+        A sampled sequence with pending ``forks`` has them forked off it here
+        (they join ``running``). The sampled tokens themselves are appended
+        by the engine, which also decides whether they end a sequence.
         """
-        finished = []
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += num_new
             self.block_manager.commit(seq)
-            token = sampled.get(i)
-            if token is None:
-                continue
-            children = zip(seq.forks, forked.get(i, ())) if forked else ()
-            for child, child_token in children:
-                self._fork(seq, child, child_token, finished)
-            seq.forks = []
-            self._append(seq, token, finished)
-        return finished
+            if i in sampled_rows:
+                for child in seq.forks:
+                    self._fork(seq, child)
+                seq.forks = []
 
-    def _fork(self, parent: Sequence, child: Sequence, token: int, finished: list[Sequence]) -> None:
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
         self.block_manager.fork(parent, child)
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
         bisect.insort(self.running, child, key=lambda s: s.seq_id)
-        self._append(child, token, finished)
-
-    def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
-        seq.append_token(token)
-        if seq.finish_reason is not None:
-            self.finish(seq, seq.finish_reason)
-            finished.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (``"stop"``, ``"length"`` or ``"abort"``) and return its blocks at once."""

@@ -89,9 +89,5 @@ class Sequence:
         self.forks.append(child)
 
     def append_token(self, token_id: int) -> None:
-        """Add a sampled token and end the sequence if it is a stop token or the length is reached."""
+        """Add a sampled token (whether it ends the sequence is decided in ``engine/stopping.py``)."""
         self.token_ids.append(token_id)
-        if token_id in self.stop_token_ids:
-            self.finish_reason = "stop"
-        elif self.num_generated_tokens >= self.params.max_tokens:
-            self.finish_reason = "length"
