@@ -204,7 +204,9 @@ class Comm(abc.ABC):
         """Sum ``tensor`` across ranks; returns the sum (may be ``tensor`` itself, updated in place).
 
         When ``accumulate_dtype`` is wider than ``tensor.dtype`` the reduction
-        is carried out in ``accumulate_dtype`` and cast back.
+        is carried out in ``accumulate_dtype`` and cast back. ``None`` (what
+        the framework passes) means the plugin's own setting, which its factory
+        read from ``comm.accumulate_dtype`` (``none`` there: no widening).
         """
 
     @abc.abstractmethod

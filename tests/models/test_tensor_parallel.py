@@ -11,9 +11,12 @@ import threading
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from kunlun_infer.layers import ColumnParallelLinear, LayerContext, RowParallelLinear
 from kunlun_infer.models import load_model
+from kunlun_infer.plugins.cpu_comm import GlooComm, parse_dtype
+from kunlun_infer.testing.comm import free_port
 from tests.models.paged import PagedKV, ReferenceRuntime, hf_logits, max_relative_error
 
 
@@ -154,3 +157,44 @@ def test_one_rank_calls_no_collective(hf_folder):
     folder, _ = hf_folder("llama")
     model = load_model(folder, runtime=ReferenceRuntime(comm=Refusing()), dtype=torch.float32)
     PagedKV(model).step({0: [3, 4, 5]})
+
+
+class RecordingGloo(GlooComm):
+    """The built-in gloo comm, noting the dtype each all-reduce was actually carried out in."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.reduced_in: list[torch.dtype] = []
+
+    def all_reduce(self, tensor, accumulate_dtype=None):
+        self.reduced_in.append(self.accumulate_dtype_for(tensor, accumulate_dtype) or tensor.dtype)
+        return super().all_reduce(tensor, accumulate_dtype)
+
+
+@pytest.mark.parametrize("setting, reduced_in", [("float32", torch.float32), ("none", torch.bfloat16)])
+def test_comm_accumulate_dtype_decides_what_a_bf16_model_reduces_in(setting, reduced_in, hf_folder):
+    folder, _ = hf_folder("llama", dtype=torch.bfloat16)
+    cfg = OmegaConf.create({"comm": {"name": "gloo", "accumulate_dtype": setting}})
+    url = f"tcp://127.0.0.1:{free_port()}"
+    results, errors = [None, None], []
+
+    def rank(r):
+        try:
+            comm = RecordingGloo(accumulate_dtype=parse_dtype(setting))  # what the gloo factory builds from cfg
+            comm.init(rank=r, world_size=2, init_method=url, timeout_s=60)
+            runtime = ReferenceRuntime(comm=comm)
+            runtime.config = cfg
+            model = load_model(folder, runtime=runtime, dtype=torch.bfloat16, tp_rank=r, tp_size=2)
+            PagedKV(model).step({0: [3, 4, 5]})
+            comm.destroy()
+            results[r] = comm.reduced_in
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert results[0] and set(results[0]) == {reduced_in} and results[0] == results[1]

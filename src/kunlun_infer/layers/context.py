@@ -28,8 +28,9 @@ class LayerContext:
     tp_rank: int = 0
     tp_size: int = 1
     comm: Any = None
-    #: dtype in which low-precision all-reduces accumulate (``comm.accumulate_dtype``)
-    accumulate_dtype: torch.dtype | None = torch.float32
+    #: dtype in which all-reduces accumulate; ``None`` leaves it to the comm plugin, which was built
+    #: from ``comm.accumulate_dtype`` (so ``none`` there really switches widening off)
+    accumulate_dtype: torch.dtype | None = None
     #: the runtime's streams when its comm stream is distinct (``streams.overlaps``); ``None`` = inline collectives
     streams: Any = None
 

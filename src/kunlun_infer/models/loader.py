@@ -163,13 +163,6 @@ def load_weights(model: CausalLM, model_dir: Path, index: dict[str, StoredTensor
     model.pack_weights()
 
 
-def _accumulate_dtype(runtime: Any) -> torch.dtype:
-    name = getattr(runtime, "accumulate_dtype", None)
-    if name is None:
-        name = getattr(getattr(getattr(runtime, "config", None), "comm", None), "accumulate_dtype", "float32")
-    return name if isinstance(name, torch.dtype) else DTYPES.get(str(name), torch.float32)
-
-
 def _overlap_streams(runtime: Any, tp_size: int) -> Any:
     """The runtime's streams when collectives can overlap compute on them (a distinct comm stream)."""
     streams = getattr(runtime, "streams", None)
@@ -193,7 +186,7 @@ def load_model(model_dir: str | Path, *, runtime: Any, dtype: torch.dtype, tp_ra
     cls = model_class(config)
     ctx = LayerContext(ops=runtime.resolve_ops(cls.required_ops), device=runtime.device.torch_device,
                        dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, comm=runtime.comm if tp_size > 1 else None,
-                       accumulate_dtype=_accumulate_dtype(runtime), streams=_overlap_streams(runtime, tp_size))
+                       streams=_overlap_streams(runtime, tp_size))
     try:
         model = cls(config, ctx, max_model_len)
     except ValueError as e:
