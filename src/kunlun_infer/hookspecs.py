@@ -39,7 +39,8 @@ Threading and streams, for every factory-made object
 Errors
     Anything a hook or a capability method raises is re-raised by the
     framework as :class:`kunlun_infer.errors.PluginError` naming the plugin,
-    the hook and the layer, the original exception chained.
+    the hook and the layer, the original exception chained — except from the
+    observability hooks, whose failures are logged and ignored (see there).
 
 Changes
     1.0 — first version of the contract.
@@ -239,6 +240,12 @@ def kunlun_infer_config_options() -> Iterable[ConfigOption]:
 
 
 # ============================================================== observability
+#
+# pluggy calls the observers in its usual order (``tryfirst``/``trylast``;
+# ``wrapper=True`` and ``hookwrapper=True`` implementations surround the
+# others). Each observer is isolated: whatever it raises is logged on
+# ``kunlun_infer.runtime`` naming the plugin and the hook, and ignored; the
+# other observers still hear the event and the engine's step goes on.
 
 
 @hookspec

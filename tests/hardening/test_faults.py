@@ -123,7 +123,9 @@ class ExplodingObserver:
 
     @hookimpl
     def kunlun_infer_engine_step(self, stats):
-        raise RuntimeError("observer broke")
+        from kunlun_infer.errors import ConfigError
+
+        raise ConfigError("observer setting broke")  # one of the project's own errors, not a PluginError
 
     @hookimpl
     def kunlun_infer_request_finished(self, output):
@@ -143,6 +145,7 @@ def test_a_failing_observer_is_logged_and_never_stops_a_step(tiny_folder, refere
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outputs] == reference
     assert "plugin 'exploding-observer' failed in kunlun_infer_request_finished" in caplog.text
+    assert "plugin 'exploding-observer' failed in kunlun_infer_engine_step" in caplog.text
 
 
 def my_children() -> list[psutil.Process]:

@@ -42,7 +42,7 @@ from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.engine.setup import (check_engine_config, choose_dtype, choose_max_model_len,
                                        measure_activation_bytes, model_dir)
-from kunlun_infer.errors import EngineStepError, KunlunInferError, PluginError, RequestError, WorkerError
+from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -142,7 +142,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    chunked_prefill=chunked)
         self._observe_steps = rt.plugins.has_observers("kunlun_infer_engine_step")
-        self._notify(rt.plugins.engine_start, {
+        rt.plugins.engine_start({
             "model": str(self.model_path), "dtype": str(self.dtype).removeprefix("torch."),
             "kv_blocks_total": num_blocks, "block_size": self.block_size, "tensor_size": tensor_size,
             "plugins": {c: rt.plugin_for(c) for c in ("device", "memory", "ops", "comm", "streams")},
@@ -272,7 +272,7 @@ class LLMEngine:
                 raise
         self._num_steps += 1
         if self._observe_steps:
-            self._notify(self.runtime.plugins.engine_step, {
+            self.runtime.plugins.engine_step({
                 "step": self._num_steps, "num_prefill_tokens": batch.num_prefill_tokens,
                 "num_decode_tokens": batch.num_decode_tokens, "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting), "kv_blocks_free": self.block_manager.num_free_blocks,
@@ -330,15 +330,7 @@ class LLMEngine:
 
     def _finished(self, output: RequestOutput, outputs: list[RequestOutput]) -> None:
         outputs.append(output)
-        self._notify(self.runtime.plugins.request_finished, output)
-
-    @staticmethod
-    def _notify(hook: Any, payload: Any) -> None:
-        """Call an observability hook; a plugin failing there is logged, the step goes on."""
-        try:
-            hook(payload)
-        except PluginError as exc:
-            log.error("observer failed, ignored: %s", exc)
+        self.runtime.plugins.request_finished(output)
 
     # ------------------------------------------------------------------ failed steps
 
@@ -394,7 +386,7 @@ class LLMEngine:
             self.abort(request_id)
         self._aborted_outputs.clear()
         try:
-            self._notify(self.runtime.plugins.engine_stop, self.stats())
+            self.runtime.plugins.engine_stop(self.stats())
         finally:
             self._closed = True
             self._release()

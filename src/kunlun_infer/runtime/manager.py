@@ -5,9 +5,11 @@ entry points of group ``kunlun_infer`` are loaded one at a time. A plugin that
 fails to import, to validate, to describe itself, or that supports another
 hook-API version is recorded in :attr:`PluginManager.load_errors` and left out;
 it becomes fatal only when a run chooses one of its options, or when strict
-loading is on (``KUNLUN_INFER_STRICT_PLUGINS=1``). Each plugin's hook
-implementation is called on its own, so every result and every error is
-attributed to the plugin that produced it.
+loading is on (``KUNLUN_INFER_STRICT_PLUGINS=1``). The describing hooks
+(plugin info, factories, config options) are asked of each plugin on its own,
+so every answer and every error is attributed to the plugin that gave it.
+pluggy calls the observability hooks, each observer isolated from the others
+(:mod:`kunlun_infer.runtime.observers`).
 
 Env controls (comma-separated entry-point names): ``KUNLUN_INFER_PLUGINS``
 loads only those; ``KUNLUN_INFER_DISABLE_PLUGINS`` skips those. Nothing is
@@ -29,6 +31,7 @@ from kunlun_infer.errors import PluginError
 from kunlun_infer.hookspecs import CAPABILITIES, ConfigOption, PluginInfo
 from kunlun_infer.runtime.guard import guarded_call
 from kunlun_infer.runtime.log import runtime_log
+from kunlun_infer.runtime.observers import isolate_observers
 from kunlun_infer.runtime.options import validate_config_option
 from kunlun_infer.runtime.versions import check_api_range
 
@@ -177,6 +180,7 @@ class PluginManager:
         except BaseException:
             self._pm.unregister(name=reg_name)
             raise
+        isolate_observers(self._pm, reg_name, loaded.name)
         self.plugins[loaded.name] = loaded
         for capability, factories in loaded.factories.items():
             for option, factory in factories.items():
@@ -281,31 +285,23 @@ class PluginManager:
         return [(p.name, opt) for p in self.plugins.values() for opt in p.config_options]
 
     # ------------------------------------------------------------------ observability hooks
-
-    def _notify(self, hook: str, **kwargs: Any) -> None:
-        for impl in getattr(self._pm.hook, hook).get_hookimpls():
-            guarded_call(self._plugin_name(impl.plugin_name), hook, impl.function,
-                         **{a: kwargs[a] for a in impl.argnames})
-
-    def _plugin_name(self, reg_name: str) -> str:
-        obj = self._pm.get_plugin(reg_name)
-        return next((p.name for p in self.plugins.values() if p.module is obj), reg_name)
+    # pluggy calls every observer; each is isolated, so none of these ever raises for an observer's failure
 
     def engine_start(self, info: Mapping[str, Any]) -> None:
         """Tell observers the engine is ready (``kunlun_infer_engine_start``)."""
-        self._notify("kunlun_infer_engine_start", info=info)
+        self._pm.hook.kunlun_infer_engine_start(info=info)
 
     def engine_step(self, stats: Mapping[str, Any]) -> None:
         """Tell observers a step finished (``kunlun_infer_engine_step``)."""
-        self._notify("kunlun_infer_engine_step", stats=stats)
+        self._pm.hook.kunlun_infer_engine_step(stats=stats)
 
     def request_finished(self, output: Any) -> None:
         """Tell observers a request finished (``kunlun_infer_request_finished``)."""
-        self._notify("kunlun_infer_request_finished", output=output)
+        self._pm.hook.kunlun_infer_request_finished(output=output)
 
     def engine_stop(self, stats: Mapping[str, Any]) -> None:
         """Tell observers the engine stops (``kunlun_infer_engine_stop``)."""
-        self._notify("kunlun_infer_engine_stop", stats=stats)
+        self._pm.hook.kunlun_infer_engine_stop(stats=stats)
 
     def has_observers(self, hook: str) -> bool:
         """True when any plugin implements ``hook`` (lets the engine skip building stats)."""
