@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from kunlun_infer.config import COMM_TIMEOUT_S
+
 # --------------------------------------------------------------------------- device
 
 
@@ -192,7 +194,7 @@ class Comm(abc.ABC):
 
     @abc.abstractmethod
     def init(self, *, rank: int, world_size: int, init_method: str | None = None,
-             timeout_s: float = 300.0) -> None:
+             timeout_s: float = COMM_TIMEOUT_S) -> None:
         """Join the group as ``rank`` of ``world_size``.
 
         ``init_method`` is a ``torch.distributed`` init URL (``tcp://…``,

@@ -13,6 +13,10 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+#: seconds a collective may stay silent before the comm gives up: the one default of ``comm.timeout_s``,
+#: also of every ``Comm.init(timeout_s=)``
+COMM_TIMEOUT_S: float = 120.0
+
 
 @dataclasses.dataclass
 class DeviceConfig:
@@ -45,7 +49,7 @@ class CommConfig:
     name: str = MISSING
     accumulate_dtype: str = "float32"
     #: seconds a collective or a worker may take before the engine gives up
-    timeout_s: float = 120.0
+    timeout_s: float = COMM_TIMEOUT_S
 
 
 @dataclasses.dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
@@ -168,3 +169,25 @@ def test_plugin_hooks_are_traced_at_load(caplog):
     assert ("kunlun_infer.plugin.torch-ops", "-> kunlun_infer_ops_factories") in messages
     assert any(n == "kunlun_infer.plugin.torch-ops" and m.startswith("<- kunlun_infer_ops_factories (")
                for n, m in messages)
+
+
+def _init_default(cls):
+    return inspect.signature(cls.init).parameters["timeout_s"].default
+
+
+def test_comm_timeout_has_one_default_wherever_a_comm_is_joined(manager, monkeypatch):
+    from kunlun_infer.plugins.cpu_comm import GlooComm, SingleComm
+    from kunlun_infer.plugins.process_group import ProcessGroupComm
+    from kunlun_infer_cuda.comm import DistComm
+    from kunlun_infer_kunlun.capabilities import BkclComm
+
+    composed = compose_config([], plugin_manager=manager).comm.timeout_s
+    assert compose_config(["comm=gloo"], plugin_manager=manager).comm.timeout_s == composed
+    assert {_init_default(c) for c in (Comm, SingleComm, ProcessGroupComm, GlooComm, DistComm, BkclComm)} == {composed}
+    joined = []
+    monkeypatch.setattr(SingleComm, "init", lambda self, **kw: joined.append(kw["timeout_s"]))
+    cfg = compose_config([], plugin_manager=manager)
+    del cfg.comm.timeout_s  # a config built by hand without the key
+    with Runtime.from_config(cfg, plugin_manager=manager) as rt:
+        rt.init_comm(rank=0, world_size=1)
+    assert joined == [composed]

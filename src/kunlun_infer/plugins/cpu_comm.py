@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from kunlun_infer import __version__
 from kunlun_infer.capabilities import Comm, Device
+from kunlun_infer.config import COMM_TIMEOUT_S
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.plugins.cpu_device import stack_versions
 from kunlun_infer.plugins.process_group import ProcessGroupComm, parse_dtype
@@ -36,7 +37,7 @@ class SingleComm(Comm):
     def __init__(self, *, accumulate_dtype: torch.dtype | None = torch.float32) -> None:
         self.default_accumulate_dtype = accumulate_dtype
 
-    def init(self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float = 300.0) -> None:
+    def init(self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float = COMM_TIMEOUT_S) -> None:
         if rank != 0 or world_size != 1:
             raise ValueError(f"comm=single serves exactly one process (rank 0 of 1), asked for rank {rank} of "
                              f"{world_size}; choose comm=gloo for tensor parallelism")

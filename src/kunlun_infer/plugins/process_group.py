@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from kunlun_infer.capabilities import Comm
+from kunlun_infer.config import COMM_TIMEOUT_S
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -70,7 +71,7 @@ class ProcessGroupComm(Comm):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def init(self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float = 300.0) -> None:
+    def init(self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float = COMM_TIMEOUT_S) -> None:
         if self._group is not None:
             raise RuntimeError(f"comm={self.name} is already initialised; destroy() it first")
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -13,6 +13,7 @@ import os
 from collections.abc import MutableMapping
 from typing import Any
 
+from kunlun_infer.config import COMM_TIMEOUT_S
 from kunlun_infer_cuda.comm import DistComm
 from kunlun_infer_cuda.memory import CudaCachingAllocator
 from kunlun_infer_cuda.ops import TorchCudaOps
@@ -51,6 +52,6 @@ class BkclComm(DistComm):
         self.tuning = tuning
         self.environ = os.environ if environ is None else environ
 
-    def init(self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float = 300.0) -> None:
+    def init(self, *, rank: int, world_size: int, init_method: str | None = None, timeout_s: float = COMM_TIMEOUT_S) -> None:
         export_tuning(self.tuning, self.environ)  # read by the library when the communicator is created
         super().init(rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s)

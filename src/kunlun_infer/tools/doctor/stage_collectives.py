@@ -26,7 +26,7 @@ def run(ctx: DoctorContext, result: StageResult) -> None:
     if world <= 1:
         raise NotApplicable("world size 1 (set parallel.tensor_size=N to check N ranks)")
     plugin = ctx.runtime.plugin_for("comm")
-    timeout = float(ctx.cfg.comm.get("timeout_s", 120.0))
+    timeout = float(ctx.cfg.comm.timeout_s)
     try:
         check_collectives(ctx.overrides, world_size=world, modules=ctx.modules, timeout_s=timeout + 60)
     except Exception as exc:  # noqa: BLE001 - a wrong result, a crash or a hang on some rank
