@@ -3,6 +3,7 @@
 import importlib.util
 import io
 import json
+import sys
 
 import pytest
 
@@ -44,12 +45,19 @@ def test_json_matrix_carries_coverage_per_ops_option():
     assert row["distribution"] == "kunlun-infer-simchip" and row["options"]["device"] == ["simchip"]
 
 
-@pytest.mark.parametrize("name,module,comm", [("cuda", "kunlun_infer_cuda", "nccl"),
-                                               ("kunlun", "kunlun_infer_kunlun", "bkcl")])
-def test_hardware_plugins_list_on_a_host_without_their_hardware(name, module, comm):
+# without the vendor's kernel library, ops=kunlun runs its vendor-backed ops on the reference
+KUNLUN_WITHOUT_KERNELS = ["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+
+
+@pytest.mark.parametrize("name,module,comm,fallbacks", [("cuda", "kunlun_infer_cuda", "nccl", []),
+                                                        ("kunlun", "kunlun_infer_kunlun", "bkcl",
+                                                         KUNLUN_WITHOUT_KERNELS)])
+def test_hardware_plugins_list_on_a_host_without_their_hardware(name, module, comm, fallbacks, monkeypatch):
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed (pip install ./hooks/* installs it)")
+    monkeypatch.setitem(sys.modules, "kunlun_ops", None)  # as on a host without the Kunlun stack
     data = json.loads(run("plugins", "--json"))
     row = next(p for p in data["plugins"] if p["name"] == name)
     assert row["error"] is None and row["options"]["comm"] == [comm]
-    assert data["ops_coverage"][name]["fallbacks"] == []
+    assert data["ops_coverage"][name]["error"] is None
+    assert data["ops_coverage"][name]["fallbacks"] == fallbacks

@@ -1,8 +1,9 @@
-"""Memory, streams, ops and comm for ``device=kunlun``: the CUDA-API classes under Kunlun's names.
+"""Memory, streams and comm for ``device=kunlun``: the CUDA-API classes under Kunlun's names.
 
 ``torch_xmlir`` serves torch's CUDA API (caching allocator, streams, events)
 from the XPU and maps torch.distributed's NCCL backend onto BKCL/XCCL, so the
-classes of ``kunlun_infer_cuda`` do the work. ``comm=bkcl`` adds one step:
+classes of ``kunlun_infer_cuda`` do the work (``ops=kunlun`` has its own
+module, :mod:`kunlun_infer_kunlun.ops`). ``comm=bkcl`` adds one step:
 the collective library's tuning variables are exported before the process
 group is created.
 """
@@ -16,7 +17,6 @@ from typing import Any
 from kunlun_infer.config import COMM_TIMEOUT_S
 from kunlun_infer_cuda.comm import DistComm
 from kunlun_infer_cuda.memory import CudaCachingAllocator
-from kunlun_infer_cuda.ops import TorchCudaOps
 from kunlun_infer_cuda.streams import CudaStreams
 from kunlun_infer_kunlun.config import COMM, DEVICE
 from kunlun_infer_kunlun.tuning import export_tuning
@@ -32,13 +32,6 @@ class KunlunStreams(CudaStreams):
     """XPU streams and events through torch's CUDA stream API."""
 
     name = DEVICE
-
-
-class KunlunOps(TorchCudaOps):
-    """The torch op table (SDPA paged attention) run by the vendor stack."""
-
-    def __init__(self) -> None:
-        super().__init__(name=DEVICE)
 
 
 class BkclComm(DistComm):

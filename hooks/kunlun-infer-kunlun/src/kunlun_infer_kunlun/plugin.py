@@ -43,7 +43,7 @@ def make_memory(*, config: Any = None, device: Any) -> Any:
 
 
 def make_ops(*, config: Any = None, device: Any = None) -> Any:
-    from kunlun_infer_kunlun.capabilities import KunlunOps
+    from kunlun_infer_kunlun.ops import KunlunOps
 
     return KunlunOps()
 

@@ -1,0 +1,183 @@
+"""``ops=kunlun``: the op table on the vendor's kernels (``kunlun_ops``) where it has them, torch elsewhere.
+
+Each op of :data:`VENDOR_OPS` calls the library's kernel when the library is
+importable and has that function. Where it does not, the op is not offered:
+the runtime runs it on the plain-torch reference, logs that once per run and
+counts the calls, and ``kunlun-infer plugins`` shows it as ``reference`` —
+op by op, so one missing function costs one op, not the table. The other
+ops (linear, embedding, and the 1.0 ``store_kv``/``paged_attention``) are
+torch expressions run by the vendor's torch build (``kunlun_infer_cuda``'s
+kernels).
+
+How each op of the table maps onto a kernel call (argument order, in-place
+outputs and layouts as vLLM-Kunlun and sglang-kunlun call them; see the
+plugin README for the files):
+
+- ``rms_norm(x, w, eps)`` → ``rmsnorm(x, w, out, eps)``, ``out`` written in place;
+- ``add_rms_norm(x, r, w, eps)`` → ``add_rmsnorm(x, r, weight=, output=, eps=,
+  residual_output=)``: ``output`` receives the normalised sum and
+  ``residual_output`` the sum itself;
+- ``silu_and_mul(x)`` → ``swiglu(x=x, y=out)``;
+- ``rotary_embedding(pos, q, k, table)`` → ``rotary_embedding(positions=,
+  query=q2, key=k2, head_size=, cos_sin_cache=, is_neox=True)``, rotating
+  ``q2``/``k2`` (``[T, heads * head_size]``) in place, with
+  ``cos_sin_cache`` the ``[max_pos, rot_dim]`` table
+  ``cat(cos, sin)`` over half the rotary dims in the query's dtype and the
+  NeoX (rotate-half) layout. The framework's table is
+  ``[max_pos, 2, head_dim]`` with each half repeated; it is converted once
+  per table and dtype. A table whose halves differ is not a NeoX table: such
+  a call takes the torch path (logged once).
+
+Kernels take contiguous inputs; the wrappers copy a strided view (e.g. the
+query cut out of a fused QKV projection) before the call, never after.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kunlun_infer.capabilities import DictOpsProvider
+from kunlun_infer.ops import reference
+from kunlun_infer_cuda.ops import KERNELS as TORCH_KERNELS
+from kunlun_infer_kunlun.config import DEVICE
+from kunlun_infer_kunlun.vendor import MODULE_NAME, VendorKernels, load_vendor_kernels
+
+log = logging.getLogger("kunlun_infer.plugin.kunlun")
+
+#: op of the table -> the library functions it calls; an op whose functions are missing is not offered
+VENDOR_OPS: dict[str, tuple[str, ...]] = {
+    "rms_norm": ("rmsnorm",),
+    "add_rms_norm": ("add_rmsnorm",),
+    "silu_and_mul": ("swiglu",),
+    "rotary_embedding": ("rotary_embedding",),
+}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous ``[rows, features]`` matrix (a copy only when it is strided)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _rms_norm(kernels: VendorKernels) -> Callable[..., torch.Tensor]:
+    rmsnorm = kernels.get("rmsnorm")
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = _rows(x)
+        out = torch.empty_like(rows)
+        rmsnorm(rows, weight, out, float(eps))
+        return out.view(x.shape)
+
+    return rms_norm
+
+
+def _add_rms_norm(kernels: VendorKernels) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    add_rmsnorm = kernels.get("add_rmsnorm")
+
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, res = _rows(x), _rows(residual)
+        normed, summed = torch.empty_like(rows), torch.empty_like(rows)
+        add_rmsnorm(rows, res, weight=weight, output=normed, eps=float(eps), residual_output=summed)
+        return normed.view(x.shape), summed.view(x.shape)
+
+    return add_rms_norm
+
+
+def _silu_and_mul(kernels: VendorKernels) -> Callable[..., torch.Tensor]:
+    swiglu = kernels.get("swiglu")
+
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        out = rows.new_empty(rows.shape[0], rows.shape[1] // 2)
+        swiglu(x=rows, y=out)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return silu_and_mul
+
+
+class _Rotary:
+    """``rotary_embedding`` on the library's in-place NeoX kernel, with the converted tables it needs."""
+
+    def __init__(self, kernels: VendorKernels) -> None:
+        self.kernel = kernels.get("rotary_embedding")
+        self._tables: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor | None] = {}
+        self._warned = False
+
+    def table(self, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The ``[max_pos, head_dim]`` ``cat(cos, sin)`` table in ``dtype``, or ``None`` for a non-NeoX table."""
+        key = (cos_sin_cache.data_ptr(), tuple(cos_sin_cache.shape), dtype)
+        if key not in self._tables:
+            half = cos_sin_cache.shape[-1] // 2
+            first, second = cos_sin_cache[..., :half], cos_sin_cache[..., half:]
+            neox = cos_sin_cache.shape[-1] % 2 == 0 and torch.equal(first, second)
+            self._tables[key] = torch.cat((first[:, 0], first[:, 1]), dim=-1).to(dtype).contiguous() if neox else None
+        return self._tables[key]
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.table(cos_sin_cache, q.dtype)
+        if table is None:
+            if not self._warned:
+                self._warned = True
+                log.warning("ops=kunlun: the rotary table is not in the rotate-half (NeoX) layout %s's "
+                            "rotary_embedding takes; those calls run on the torch path", MODULE_NAME)
+            return reference.rotary_embedding(positions, q, k, cos_sin_cache)
+        tokens, head_dim = q.shape[0], q.shape[-1]
+        q_rows = q.reshape(tokens, -1).clone(memory_format=torch.contiguous_format)
+        k_rows = k.reshape(tokens, -1).clone(memory_format=torch.contiguous_format)
+        self.kernel(positions=positions.to(torch.int64), query=q_rows, key=k_rows, head_size=head_dim,
+                    cos_sin_cache=table, is_neox=True)
+        return q_rows.view(q.shape), k_rows.view(k.shape)
+
+
+_BUILDERS: dict[str, Callable[[VendorKernels], Callable[..., Any]]] = {
+    "rms_norm": _rms_norm,
+    "add_rms_norm": _add_rms_norm,
+    "silu_and_mul": _silu_and_mul,
+    "rotary_embedding": _Rotary,
+}
+
+
+class KunlunOps(DictOpsProvider):
+    """The op table on ``kunlun_ops`` kernels where the library has them; torch for the rest.
+
+    ``vendor``: the library as :func:`~kunlun_infer_kunlun.vendor.load_vendor_kernels`
+    finds it (the default); tests pass a stand-in.
+    """
+
+    def __init__(self, vendor: VendorKernels | None = None) -> None:
+        self.vendor = load_vendor_kernels() if vendor is None else vendor
+        kernels: dict[str, Callable[..., Any]] = {op: k for op, k in TORCH_KERNELS.items() if op not in VENDOR_OPS}
+        #: op -> the library functions serving it, for the ops that run on the vendor's kernels
+        self.vendor_ops: dict[str, tuple[str, ...]] = {}
+        for op, functions in VENDOR_OPS.items():
+            if self.vendor.has(*functions):
+                kernels[op] = _BUILDERS[op](self.vendor)
+                self.vendor_ops[op] = functions
+        super().__init__(kernels, name=DEVICE)
+        self._report()
+
+    def kernel_source(self, op: str) -> str | None:
+        """Where ``op`` runs: ``"kunlun_ops.<function>"``, ``"torch"``, or ``None`` (not offered: reference)."""
+        if op in self.vendor_ops:
+            return ", ".join(f"{MODULE_NAME}.{f}" for f in self.vendor_ops[op])
+        return "torch" if self.supports(op) else None
+
+    def _report(self) -> None:
+        fallback = [op for op in VENDOR_OPS if op not in self.vendor_ops]
+        if not fallback:
+            log.info("ops=kunlun: %s %s serves %s", MODULE_NAME, self.vendor.version or "(version unknown)",
+                     ", ".join(self.vendor_ops))
+            return
+        if self.vendor.module is None:
+            level = logging.WARNING if self.vendor.broken else logging.INFO
+            log.log(level, "ops=kunlun: %s; %s run on the plain-torch reference", self.vendor.reason,
+                    ", ".join(fallback))
+            return
+        missing = sorted({f for op in fallback for f in self.vendor.missing(*VENDOR_OPS[op])})
+        log.warning("ops=kunlun: %s %s has no %s; %s run on the plain-torch reference",
+                    MODULE_NAME, self.vendor.version or "(version unknown)", ", ".join(missing), ", ".join(fallback))
