@@ -77,13 +77,22 @@ def _runtime_for(inv: Invocation, cfg: Any) -> Any:
 
 
 def run(inv: Invocation) -> int:
+    from kunlun_infer.engine.launch import resolve_parallel_config, torchrun_place
+    from kunlun_infer.engine.workers import serve_torchrun_worker
     from kunlun_infer.tools.bench.plot import plot_sweep
     from kunlun_infer.tools.bench.run import run_bench
     from kunlun_infer.tools.bench.sweep import parse_sweep, run_sweep, sweep_table
     from kunlun_infer.tools.plugin_modules import register_modules
 
     register_modules(inv.plugin_manager(), inv.params["register"], strict=True)
-    cfg = inv.config()
+    place = torchrun_place()
+    if inv.flags["sweep"] is not None and place is not None and place.world_size > 1:
+        raise UsageError("--sweep starts one engine per value, but the ranks torchrun started serve a single "
+                         "engine: run bench under torchrun without --sweep, or sweep without torchrun "
+                         "(parallel.tensor_size=N spawns the ranks for every engine)")
+    if serve_torchrun_worker(inv.config()):  # under torchrun, ranks above 0 serve rank 0's engine until it closes
+        return 0
+    cfg = resolve_parallel_config(inv.config())
     workload = _workload(inv, cfg)
     progress = False if inv.flags["no-progress"] else None
     out_dir = Path(inv.flags["out"] or ".")

@@ -1,6 +1,8 @@
 """``kunlun-infer serve [overrides…]``: the OpenAI-compatible HTTP server.
 
 Binds ``server.host`` (127.0.0.1 unless told otherwise) and ``server.port``;
+under ``torchrun`` rank 0 runs the engine and the server, the other ranks
+serve its forwards until it closes;
 ``server.max_queue`` bounds the requests that may wait for a batch slot and
 ``server.model_name`` names the model in the API. Stops gracefully on
 Ctrl-C or SIGTERM.
@@ -19,9 +21,12 @@ def run(inv: Invocation) -> int:
     except ImportError as exc:
         raise KunlunInferError(f"serve needs fastapi and uvicorn ({exc.name} is missing): "
                                f"pip install 'kunlun-infer[serve]'") from None
+    from kunlun_infer.engine.workers import serve_torchrun_worker
     from kunlun_infer.server import model_name_for, serve
 
     cfg = inv.config()
+    if serve_torchrun_worker(cfg):  # under torchrun, ranks above 0 serve rank 0's engine until it closes
+        return 0
 
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
@@ -42,5 +47,6 @@ server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus).
 Examples:
   kunlun-infer serve
   kunlun-infer serve model.path=/models/qwen2 server.port=9000 server.max_queue=64
+  torchrun --nproc-per-node 2 -m kunlun_infer serve model.path=/models/qwen2 comm=gloo
 """,
 )
