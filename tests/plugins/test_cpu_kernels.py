@@ -1,4 +1,8 @@
-"""The ``cpu`` ops option: tuned host kernels agree with the plain-torch references and serve a model."""
+"""The ``cpu`` ops option: tuned host kernels agree with the plain-torch references and serve a model.
+
+Every kernel set this CPU runs (``tests.kernel_sets``) is checked against the
+references, and each test that depends on the set asks which one was chosen.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +13,14 @@ import torch.nn.functional as F
 from kunlun_infer.ops import reference
 from kunlun_infer.plugins import cpu_attention, cpu_gemm, cpu_kernels, cpu_native
 from kunlun_infer.testing import build_runtime, check_ops
+from tests.kernel_sets import kernel_set, native_kernel_set  # noqa: F401 - fixtures
 from tests.plugins.test_torch_ops import _batch
 
 needs_onednn = pytest.mark.skipif(not cpu_kernels.onednn_linear_available(),
                                   reason="this torch build has no oneDNN prepacked linear")
-needs_gemm = pytest.mark.skipif(not cpu_gemm.available(), reason="no AVX512-BF16 CPU without AMX, or no C compiler")
-needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no AVX512-BF16 CPU, or no C compiler")
 
 
-@pytest.fixture(params=["native", "sdpa"])
-def attention_path(request, monkeypatch):
-    """Run a test through the C decode kernel and through the SDPA fallback."""
-    if request.param == "native" and cpu_native.library() is None:
-        pytest.skip("no AVX512-BF16 CPU, or no C compiler")
-    if request.param == "sdpa":
-        monkeypatch.setattr(cpu_attention, "native_decode_attention", lambda *args: None)
-    return request.param
-
-
-def test_cpu_ops_cover_and_conform_in_every_dtype():
+def test_cpu_ops_cover_and_conform_in_every_dtype(kernel_set):
     with build_runtime(["ops=cpu"]) as rt:
         checked = check_ops(rt.ops, rt.device)
     assert {op for op, _ in checked} >= {"rms_norm", "paged_attention", "linear", "store_kv"}
@@ -40,20 +33,20 @@ def test_cpu_ops_cover_and_conform_in_every_dtype():
     [(12, 4), (7, 1), (30, 30), (3, 1)],  # chunked prefill, decode and prefill mixed
 ])
 @pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (6, 1)])
-def test_paged_attention_matches_reference(seqs, hq, hk, attention_path):
+def test_paged_attention_matches_reference(seqs, hq, hk, kernel_set):
     args = _batch(seqs, hq=hq, hk=hk)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
                                rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("d, block_size", [(32, 16), (64, 5), (8, 4)])  # head size 8: no native kernel
-def test_decode_attention_over_long_contexts_and_head_sizes(d, block_size, attention_path):
+def test_decode_attention_over_long_contexts_and_head_sizes(d, block_size, kernel_set):
     args = _batch([(1, 1), (15, 1), (16, 1), (17, 1), (300, 1)], hq=14, hk=2, d=d, block_size=block_size)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
                                rtol=1e-4, atol=1e-5)
 
 
-def test_paged_attention_low_precision_keeps_its_dtype_and_accuracy(attention_path):
+def test_paged_attention_low_precision_keeps_its_dtype_and_accuracy(kernel_set):
     args = _batch([(6, 1), (8, 3), (33, 1), (20, 20)], hq=8, hk=2, dtype=torch.bfloat16)
     out = cpu_kernels.paged_attention(*args)
     assert out.dtype == torch.bfloat16
@@ -63,8 +56,7 @@ def test_paged_attention_low_precision_keeps_its_dtype_and_accuracy(attention_pa
                                rtol=2e-2, atol=2e-2)
 
 
-@needs_native
-def test_native_decode_attention_reads_the_cache_in_place():
+def test_native_decode_attention_reads_the_cache_in_place(native_kernel_set):
     q, k_cache, v_cache, tables, lens, qsl, scale = _batch([(9, 1), (4, 1)], hq=4, hk=2, d=16, block_size=4)
     before = cpu_attention.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
@@ -76,8 +68,7 @@ def test_native_decode_attention_reads_the_cache_in_place():
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
-@needs_native
-def test_native_decode_attention_refuses_a_table_that_points_outside_the_cache():
+def test_native_decode_attention_refuses_a_table_that_points_outside_the_cache(native_kernel_set):
     q, k_cache, v_cache, tables, lens, qsl, scale = _batch([(9, 1), (4, 1)], hq=4, hk=2, d=16, block_size=4)
     tables[0, 2] = k_cache.shape[0]  # a block id past the cache, inside the context
     with pytest.raises(IndexError, match="block"):
@@ -88,40 +79,54 @@ def test_native_decode_attention_refuses_a_table_that_points_outside_the_cache()
         cpu_attention.native_decode_attention(q, k_cache, v_cache, tables, lens, scale)
 
 
-def _assert_linear_like_f_linear(pack, linear, out_features, in_features, rows_list, bias=True):
+def _assert_linear_like_f_linear(pack, linear, out_features, in_features, rows_list, bias=True,
+                                 dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
-    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
-    b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
+    weight = torch.randn(out_features, in_features, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
     packed = pack(weight)
     assert packed is not weight
     for rows in rows_list:
-        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
         out = linear(x, packed, b)
-        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-        exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
-        # as close to the float32 product as F.linear's own bf16 result is (one bf16 rounding, K-long sums)
-        bound = (F.linear(x, weight, b).float() - exact).abs().max() * 2 + 1e-2
-        assert (out.float() - exact).abs().max() <= bound, rows
+        assert out.dtype == dtype and out.shape == (rows, out_features)
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        # as close to the exact product as F.linear's own result is (one rounding to dtype, K-long sums)
+        bound = (F.linear(x, weight, b).double() - exact).abs().max() * 2 + (1e-2 if dtype is torch.bfloat16 else 1e-5)
+        assert (out.double() - exact).abs().max() <= bound, rows
 
 
-@needs_gemm
+#: row counts covering every block size of the GEMMs (blocks of 6 rows on AVX2, 12 on AVX-512; 48 / 96 per pass)
+_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 24, 31, 100]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_features, in_features", [(64, 32), (48, 40), (100, 2), (1, 6), (33, 258)])
-def test_bf16_gemm_kernel_matches_f_linear_for_every_row_count(out_features, in_features):
-    # ragged tiles (out features not a multiple of 32) and every row-block remainder (blocks of 12 rows)
-    _assert_linear_like_f_linear(cpu_gemm.pack, cpu_gemm.linear, out_features, in_features,
-                                 [1, 2, 5, 11, 12, 13, 24, 31, 100])
-    _assert_linear_like_f_linear(cpu_gemm.pack, cpu_gemm.linear, out_features, in_features, [3], bias=False)
+def test_native_gemm_matches_f_linear_for_every_row_count(native_kernel_set, dtype, out_features, in_features):
+    if dtype is torch.bfloat16 and cpu_native.selection().bf16_linear != "native":
+        assert native_kernel_set == "amx"  # bf16 weights go to oneDNN's tiles there (tested below)
+        return
+    assert cpu_gemm.can_pack(torch.zeros(out_features, in_features, dtype=dtype))
+    # ragged tiles (out features not a multiple of the tile) and every row-block remainder
+    _assert_linear_like_f_linear(cpu_gemm.pack, cpu_gemm.linear, out_features, in_features, _ROWS, dtype=dtype)
+    _assert_linear_like_f_linear(cpu_gemm.pack, cpu_gemm.linear, out_features, in_features, [3], bias=False,
+                                 dtype=dtype)
 
 
-@needs_gemm
-def test_bf16_gemm_kernel_keeps_leading_dims_and_odd_in_features_fall_back():
-    weight = torch.randn(64, 32).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_keeps_leading_dims_and_refuses_a_wrong_width(kernel_set, dtype):
+    weight = torch.randn(64, 32).to(dtype)
     packed = cpu_kernels.pack_linear_weight(weight)
-    assert cpu_gemm.is_packed(packed) and packed.shape == (64, 32)
-    x = torch.randn(2, 3, 32).to(torch.bfloat16)
+    native = cpu_gemm.available(dtype)
+    assert native == (kernel_set not in ("torch", "amx") or (kernel_set == "amx" and dtype is torch.float32))
+    assert cpu_gemm.is_packed(packed) == native
+    x = torch.randn(2, 3, 32).to(dtype)
     assert cpu_kernels.linear(x, packed).shape == (2, 3, 64)
     assert cpu_kernels.linear(x[:0], packed).shape == (0, 3, 64)
-    assert not cpu_gemm.is_packed(cpu_kernels.pack_linear_weight(torch.randn(8, 5).to(torch.bfloat16)))
+    with pytest.raises((ValueError, RuntimeError)):
+        cpu_kernels.linear(torch.randn(3, 31).to(dtype), packed)
+    if dtype is torch.bfloat16:  # odd in-features do not fit the bf16 pairs of the AVX-512 layout: left as is
+        assert not cpu_gemm.is_packed(cpu_kernels.pack_linear_weight(torch.randn(8, 5).to(torch.bfloat16)))
 
 
 @needs_onednn
@@ -130,60 +135,58 @@ def test_onednn_path_multiplies_like_f_linear(monkeypatch):
     _assert_linear_like_f_linear(cpu_kernels.pack_linear_weight, cpu_kernels.linear, 48, 40, [1, 7, 64])
 
 
-def test_float32_weights_stay_as_they_are():
-    weight = torch.randn(8, 4)
+def test_weights_of_other_dtypes_stay_as_they_are(kernel_set):
+    weight = torch.randn(8, 4).to(torch.float16)
     assert cpu_kernels.pack_linear_weight(weight) is weight
-    x = torch.randn(3, 4)
+    x = torch.randn(3, 4).to(torch.float16)
     torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))
 
 
-@pytest.fixture(params=["this-cpu", "avx2-only"])
-def cpu_kernel_set(request, monkeypatch):
-    """The kernels this CPU chooses, and those an AVX2-only CPU gets (no native library: oneDNN or torch)."""
-    if request.param == "avx2-only":
-        monkeypatch.setattr(cpu_native, "library", lambda: None)
-        monkeypatch.setattr(cpu_gemm, "available", lambda: False)
-    return request.param
-
-
-def _packed_nbytes(shape: tuple[int, int]) -> tuple[int, bool]:
-    """Bytes a bf16 ``[out, in]`` weight occupies once ``ops=cpu`` packed it, and whether packing made a copy."""
-    weight = torch.zeros(shape, dtype=torch.bfloat16)
+def _packed_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, bool]:
+    """Bytes an ``[out, in]`` weight occupies once ``ops=cpu`` packed it, and whether packing made a copy."""
+    weight = torch.zeros(shape, dtype=dtype)
     packed = cpu_kernels.pack_linear_weight(weight)
     return packed.numel() * packed.element_size(), packed is not weight
 
 
-def test_bf16_model_on_cpu_ops_matches_transformers_and_counts_packed_weights(tmp_path, cpu_kernel_set):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_model_on_cpu_ops_matches_transformers_and_counts_packed_weights(tmp_path, kernel_set, dtype):
     from kunlun_infer.models import load_model
     from tests.models.hf_factory import build_hf_model
     from tests.models.paged import PagedKV, hf_logits, max_relative_error
 
-    hf = build_hf_model(tmp_path, "qwen3", dtype=torch.bfloat16, tie_word_embeddings=True)
+    hf = build_hf_model(tmp_path, "qwen3", dtype=dtype, tie_word_embeddings=True)
     with build_runtime(["ops=torch"]) as rt:  # no packing: the logical shapes of the linears and the LM head
         shapes = {name: tuple(m.packed_weight.shape) for name, m in load_model(tmp_path, runtime=rt,
-                  dtype=torch.bfloat16).named_modules() if hasattr(m, "packed_weight")}
-    packs = {name: _packed_nbytes(shape) for name, shape in shapes.items()}
+                  dtype=dtype).named_modules() if hasattr(m, "packed_weight")}
+    size = torch.tensor([], dtype=dtype).element_size()
+    packs = {name: _packed_nbytes(shape, dtype) for name, shape in shapes.items()}
     # the tied head's weight is the embedding's: it adds bytes only when packing copied it
     linear_bytes = sum(nbytes for name, (nbytes, copied) in packs.items() if name != "lm_head" or copied)
-    logical_linear_bytes = sum(2 * out * inp for out, inp in shapes.values())
     with build_runtime(["ops=cpu"]) as rt:
-        model = load_model(tmp_path, runtime=rt, dtype=torch.bfloat16)
+        model = load_model(tmp_path, runtime=rt, dtype=dtype)
         packed = {name: m.packed_weight for name, m in model.named_modules() if hasattr(m, "packed_weight")}
         assert packed.keys() == shapes.keys()
-        if cpu_gemm.available():  # packed for the native GEMM: tiles round out-features up to a multiple of 32
+        if cpu_gemm.available(dtype):  # packed for the native GEMM: tiles round out-features up to the tile
+            assert kernel_set != "torch"
             assert all(cpu_gemm.is_packed(w) for w in packed.values())
-            assert logical_linear_bytes <= linear_bytes <= 1.05 * logical_linear_bytes
-        elif cpu_kernels.onednn_linear_available():  # reordered for oneDNN, in whatever blocked layout it chose
+            tile = cpu_gemm.tile_n()
+            assert linear_bytes == sum(size * -(-out // tile) * tile * inp for out, inp in shapes.values())
+            assert all(copied for _, copied in packs.values())
+        elif dtype is torch.bfloat16 and cpu_kernels.onednn_linear_available():  # reordered for oneDNN
+            assert kernel_set in ("torch", "amx")
             assert all(w.layout != torch.strided for w in packed.values())
+        else:  # nothing repacked: the weights as loaded, the LM head sharing the embedding's storage
+            assert kernel_set == "torch" and not any(copied for _, copied in packs.values())
         # each weight counted once: the packed copies (never their originals too) and the tied embedding
         params = sum(p.numel() for p in hf.parameters())
         hf_linear = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear)
                         and m.weight is not hf.get_input_embeddings().weight)
-        assert model.weight_nbytes() == 2 * (params - hf_linear) + linear_bytes
+        assert model.weight_nbytes() == size * (params - hf_linear) + linear_bytes
         prompts = {0: [5, 9, 2, 7, 11], 1: list(range(3, 15))}
         out = PagedKV(model, block_size=4).step(prompts)
     for i, tokens in prompts.items():
-        assert max_relative_error(out[i], hf_logits(hf, tokens)) < 3e-2
+        assert max_relative_error(out[i], hf_logits(hf, tokens)) < (3e-2 if dtype is torch.bfloat16 else 1e-4)
 
 
 # ---------------------------------------------------------------------- norms, SwiGLU, rotary
@@ -194,7 +197,7 @@ _CLOSE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, hidden", [(1, 64), (5, 72), (3, 7), (300, 256)])  # tails, and enough to thread
-def test_fused_rms_norms_match_reference(dtype, rows, hidden):
+def test_fused_rms_norms_match_reference(native_kernel_set, dtype, rows, hidden):
     g = torch.Generator().manual_seed(rows + hidden)
     x, residual = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
     weight = torch.randn(hidden, generator=g).to(dtype)
@@ -208,7 +211,7 @@ def test_fused_rms_norms_match_reference(dtype, rows, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 2 * 48), (7, 2 * 13), (2, 3, 2 * 64), (100, 2 * 768)])
-def test_fused_silu_and_mul_matches_reference(dtype, shape):
+def test_fused_silu_and_mul_matches_reference(native_kernel_set, dtype, shape):
     x = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
     torch.testing.assert_close(cpu_kernels.silu_and_mul(x), reference.silu_and_mul(x), **_CLOSE[dtype])
 
@@ -227,7 +230,7 @@ def _rotary_inputs(dtype, tokens, hq, hk, d, max_pos=64):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, hq, hk, d", [(9, 4, 2, 32), (1, 14, 2, 64), (5, 3, 1, 20), (400, 8, 2, 64)])
-def test_fused_rotary_matches_reference_on_slices_of_a_fused_projection(dtype, tokens, hq, hk, d):
+def test_fused_rotary_matches_reference_on_slices_of_a_fused_projection(native_kernel_set, dtype, tokens, hq, hk, d):
     args = _rotary_inputs(dtype, tokens, hq, hk, d)
     got, want = cpu_kernels.rotary_embedding(*args), reference.rotary_embedding(*args)
     for a, b in zip(got, want):
@@ -235,7 +238,7 @@ def test_fused_rotary_matches_reference_on_slices_of_a_fused_projection(dtype, t
         torch.testing.assert_close(a, b, **_CLOSE[dtype])
 
 
-def test_fused_rotary_refuses_a_position_outside_the_table_as_the_reference_does():
+def test_fused_rotary_refuses_a_position_outside_the_table_as_the_reference_does(native_kernel_set):
     positions, q, k, cache = _rotary_inputs(torch.float32, 3, 2, 1, 16)
     positions[1] = cache.shape[0]
     with pytest.raises(IndexError):
@@ -244,19 +247,34 @@ def test_fused_rotary_refuses_a_position_outside_the_table_as_the_reference_does
 
 # ---------------------------------------------------------------------- building the native kernels
 
-def test_native_kernels_are_skipped_without_a_compiler_or_when_the_build_fails(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: cpu_native.REQUIRED_CPU_FLAGS)
+def test_without_a_compiler_or_when_the_build_fails_torch_serves_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setattr(cpu_native, "load", cpu_native.load.__wrapped__)  # no cached library
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-anywhere")
-    assert cpu_native.library.__wrapped__() is None
+    chosen = cpu_native.selection.__wrapped__()
+    assert (chosen.name, chosen.library) == ("torch", None)
+    assert "no C compiler 'no-such-compiler-anywhere'" in chosen.reason
+    assert cpu_native.describe_planned().startswith("torch (no C compiler")
     monkeypatch.setenv("CC", "false")  # found, but every build fails
-    assert cpu_native.library.__wrapped__() is None
+    chosen = cpu_native.selection.__wrapped__()
+    assert chosen.name == "torch" and "avx2 kernels did not build" in chosen.reason
     assert not list((tmp_path / "kunlun_infer" / "kernels").glob("*.so"))  # no half-written library left
 
 
-def test_native_kernels_are_skipped_on_a_cpu_without_avx512_bf16(monkeypatch):
-    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert cpu_native.library.__wrapped__() is None
+@pytest.mark.parametrize("flags, expected, why", [
+    ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"}, "avx512-bf16",
+     "bf16 dot products"),
+    ({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}, "avx2", "lacks avx512_bf16, avx512_vnni"),
+    ({"avx2", "fma", "f16c"}, "avx2", "lacks avx512_bf16"),
+    ({"sse4_2", "avx"}, None, "lacks avx2, f16c, fma"),
+])
+def test_the_kernel_set_follows_the_cpu_flags(monkeypatch, flags, expected, why):
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: frozenset(flags))
+    chosen, reason = cpu_native.planned()
+    assert (chosen.name if chosen else None) == expected and why in reason
+    if expected is None:
+        assert cpu_native.selection.__wrapped__().name == "torch"
 
 
 def test_the_isa_cap_makes_this_cpu_choose_an_avx2_machines_kernels(monkeypatch):
@@ -266,20 +284,40 @@ def test_the_isa_cap_makes_this_cpu_choose_an_avx2_machines_kernels(monkeypatch)
     native = cpu_device.cpu_flags()
     monkeypatch.setenv(cpu_device.ISA_ENV, "avx2")
     capped = cpu_device.cpu_flags()
-    assert not any(f.startswith(("avx512", "amx")) for f in capped)
-    assert capped == {f for f in native if not f.startswith(("avx512", "amx"))}
-    assert cpu_native.library.__wrapped__() is None
+    assert not any(f.startswith(("avx512", "amx", "avx_vnni")) for f in capped)
+    assert capped == {f for f in native if not f.startswith(("avx512", "amx", "avx_vnni"))}
+    if {"avx2", "fma", "f16c"} <= native:
+        chosen = cpu_native.selection.__wrapped__()
+        assert chosen.name == "avx2" and "KUNLUN_INFER_CPU_ISA=avx2" in chosen.reason
     monkeypatch.setenv(cpu_device.ISA_ENV, "avx9000")
     with pytest.raises(ConfigError, match="KUNLUN_INFER_CPU_ISA.*avx2"):
         cpu_device.cpu_flags()
 
 
-@needs_native
-def test_native_kernels_are_built_once_into_the_cache(monkeypatch, tmp_path):
+def test_native_kernels_are_built_once_into_the_cache(native_kernel_set, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = cpu_native.library.__wrapped__()
+    kernel_set = cpu_native.selection().kernel_set
+    first = cpu_native.load.__wrapped__(kernel_set)
     built = list((tmp_path / "kunlun_infer" / "kernels").glob("*.so"))
-    assert first is not None and len(built) == 1
+    assert first is not None and len(built) == 1 and kernel_set.name in built[0].name
     stamp = built[0].stat().st_mtime_ns
-    assert cpu_native.library.__wrapped__() is not None
+    assert cpu_native.load.__wrapped__(kernel_set) is not None
     assert [p.stat().st_mtime_ns for p in built] == [stamp]
+
+
+def test_plugins_listing_and_doctor_name_the_kernel_set_and_why(monkeypatch):
+    import io
+
+    from kunlun_infer.cli import main
+    from kunlun_infer.plugins import torch_ops
+
+    monkeypatch.setenv("KUNLUN_INFER_CPU_ISA", "avx2")
+    stack = torch_ops.kunlun_infer_plugin_info().stack  # doctor prints the chosen plugins' stacks
+    assert stack["cpu_kernels"] == cpu_native.describe_planned()
+    out = io.StringIO()
+    assert main(["plugins"], stdout=out, stderr=io.StringIO()) == 0
+    assert f"cpu_kernels {stack['cpu_kernels']}" in out.getvalue()
+    if {"avx2", "fma", "f16c"} <= cpu_native.cpu_flags():
+        assert stack["cpu_kernels"].startswith("avx2 (AVX2 + FMA kernels")
+        assert "the CPU lacks avx512_bf16" in stack["cpu_kernels"]
+        assert "KUNLUN_INFER_CPU_ISA=avx2" in stack["cpu_kernels"]

@@ -47,6 +47,12 @@ def run(inv: Invocation) -> int:
         status = "ok" if p["error"] is None else "FAILED"
         rows.append([p["name"], p["version"] or "-", dist, p["api"] or "-", provides, status])
     inv.print(_table(rows))
+    stacks = [(p["name"], ", ".join(f"{k} {v}" for k, v in p["stack"].items())) for p in data["plugins"]
+              if p["stack"]]
+    if stacks:
+        inv.print("\nwhat each plugin runs on (its stack):")
+        for name, stack in stacks:
+            inv.print(f"  {name}: {stack}")
     failed = [p for p in data["plugins"] if p["error"]]
     if failed:
         inv.print("\nload errors:")

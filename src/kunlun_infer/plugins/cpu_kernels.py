@@ -1,13 +1,16 @@
 """The ``cpu`` op table: tuned host-CPU kernels; each op's plain-torch reference stays the definition.
 
+Which native kernel set serves (AVX-512 with bf16 dot products, AVX2 + FMA,
+or none) is decided once, by :func:`kunlun_infer.plugins.cpu_native.selection`.
 Where the time of a CPU step goes, and what each kernel does about it:
 
-- ``linear`` — the weights. A bfloat16 weight is packed once, at load, for
-  the AVX512-BF16 GEMM of :mod:`kunlun_infer.plugins.cpu_gemm`, which streams
-  it at close to memory speed for the few rows of a decode step; where that
-  kernel is not available, for oneDNN (``mkldnn._reorder_linear_weight``,
-  then ``mkldnn._linear_pointwise``), still markedly faster than ``F.linear``
-  on bf16. Other dtypes keep the weight as it is and use ``F.linear``.
+- ``linear`` — the weights. A bfloat16 or float32 weight is packed once, at
+  load, for the native GEMM of :mod:`kunlun_infer.plugins.cpu_gemm`, which
+  streams it at close to memory speed for the few rows of a decode step and
+  keeps the FMA units busy for a prefill; on a CPU with AMX, bf16 weights go
+  to oneDNN's tile kernels (``mkldnn._reorder_linear_weight``, then
+  ``mkldnn._linear_pointwise``), which is also the bf16 fallback without
+  native kernels. Other dtypes keep the weight as it is and use ``F.linear``.
 - ``paged_attention`` — :mod:`kunlun_infer.plugins.cpu_attention`: decode
   reads K/V in place through the block tables, prompts run through SDPA.
 - ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_embedding`` —
@@ -65,12 +68,13 @@ def _native(*tensors: torch.Tensor) -> Any:
 # ---------------------------------------------------------------------- linear
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 ``[out, in]`` weight packed for the bf16 GEMM kernel, else for oneDNN; others unchanged."""
-    if weight.dtype is not torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+    """An ``[out, in]`` weight packed for the native GEMM where it takes it, a bf16 one else for oneDNN;
+    others unchanged."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return weight
     if cpu_gemm.can_pack(weight):
         return cpu_gemm.pack(weight)
-    if not onednn_linear_available():
+    if weight.dtype is not torch.bfloat16 or not onednn_linear_available():
         return weight
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
     setattr(packed, _ONEDNN_PACKED, True)

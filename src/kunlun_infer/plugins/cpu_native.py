@@ -1,11 +1,18 @@
-"""The host kernels written in C (``plugins/native/*.c``): built once per machine, loaded with ctypes.
+"""The host kernels written in C (``plugins/native``), one build per instruction set, chosen by what the CPU has.
 
-:func:`library` compiles every source with ``$CC`` (default ``cc``) into one
-shared library in the user's cache (``$XDG_CACHE_HOME/kunlun_infer/kernels``,
-keyed by the sources, flags and compiler), the first time a kernel is
-needed, and loads it. It returns ``None`` — and the ops keep to their torch
-implementations — when the CPU lacks AVX512-BF16, no compiler is found or
-the build fails; the reason is logged once. The kernels parallelise with
+A *kernel set* is the whole of ``native/*.c`` compiled for one instruction
+set (``simd.h`` gives the sources one vector vocabulary): ``avx512-bf16``
+(AVX-512 with the bf16 and VNNI dot products), ``avx2`` (AVX2 + FMA + F16C,
+bf16 weights widened to float32 in registers). :func:`selection` — the one
+place that decides — takes the best set this CPU runs
+(:func:`~kunlun_infer.plugins.cpu_device.cpu_flags`, capped by
+``$KUNLUN_INFER_CPU_ISA``), builds it with ``$CC`` (default ``cc``) into the
+user's cache (``$XDG_CACHE_HOME/kunlun_infer/kernels``, keyed by sources,
+flags and compiler) the first time a kernel is needed, and loads it. On a
+CPU with AMX the bf16 linear goes to oneDNN's tile kernels instead (set
+``amx``). With no set fitting the CPU, no compiler, or a failed build, the
+ops keep to their torch implementations; the reason is logged once and shown
+by ``kunlun-infer plugins`` and ``doctor``. The kernels parallelise with
 OpenMP on the runtime torch already loaded, so they follow
 ``torch.set_num_threads``.
 """
@@ -13,6 +20,7 @@ OpenMP on the runtime torch already loaded, so they follow
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -24,21 +32,45 @@ from pathlib import Path
 
 import torch
 
-from kunlun_infer.plugins.cpu_device import cpu_flags
+from kunlun_infer.plugins.cpu_device import ISA_ENV, cpu_flags
 
 log = logging.getLogger("kunlun_infer.plugin.torch-ops")
 
 SOURCES = tuple(sorted((Path(__file__).parent / "native").glob("*.c")))
 #: included by the sources; part of the build's cache key so an edit rebuilds
 HEADERS = tuple(sorted((Path(__file__).parent / "native").glob("*.h")))
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
-REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    """The native sources built for one instruction set: what the CPU must have, how the compiler is told."""
+
+    name: str
+    requires: frozenset[str]
+    flags: tuple[str, ...]
+    summary: str
+
+
+#: every kernel set, best first; the first whose ``requires`` the CPU has is chosen
+KERNEL_SETS: tuple[KernelSet, ...] = (
+    KernelSet("avx512-bf16", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma"}),
+              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma",
+               "-mf16c"),
+              "AVX-512 kernels, bf16 dot products (VDPBF16PS) and int8 (VNNI)"),
+    KernelSet("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
+              "AVX2 + FMA kernels, bf16 widened to float32 in registers"),
+)
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 #: name -> (argument types, result type) of every exported kernel
 SIGNATURES = {
+    "kunlun_gemm_tile_n": ([], _I64),
     "kunlun_pack_bf16": ([_P, _P, _I64, _I64], None),
-    "kunlun_gemm_bf16": ([_P, _P, _P, _P, _I64, _I64, _I64], None),
+    "kunlun_gemm_bf16": ([_P, _P, _P, _P, _I64, _I64, _I64], ctypes.c_int),
+    "kunlun_pack_f32": ([_P, _P, _I64, _I64], None),
+    "kunlun_gemm_f32": ([_P, _P, _P, _P, _I64, _I64, _I64], ctypes.c_int),
+    "kunlun_fma_probe": ([_I64], ctypes.c_double),
     "kunlun_paged_decode_attention": ([_P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                        ctypes.c_float, ctypes.c_int], ctypes.c_int),
     "kunlun_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int], None),
@@ -46,6 +78,25 @@ SIGNATURES = {
     "kunlun_rotary": ([_P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int],
                       ctypes.c_int),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What serves the host ops on this machine, and why.
+
+    ``name``: ``amx``, ``avx512-bf16``, ``avx2`` or ``torch`` (no native kernels). ``kernel_set``: the
+    native build in use (``None`` for ``torch``); ``library``: it, loaded. ``bf16_linear``: who multiplies
+    bf16 weights (``native``, ``onednn`` or ``torch``). ``reason``: one line a user can act on.
+    """
+
+    name: str
+    kernel_set: KernelSet | None
+    library: ctypes.CDLL | None
+    bf16_linear: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.reason})"
 
 
 def _cache_dir() -> Path:
@@ -59,18 +110,20 @@ def _cache_dir() -> Path:
     raise OSError("no writable cache folder for the compiled kernels")
 
 
-def _build(compiler: str) -> Path:
-    """Compile the sources into the cache (once; concurrent builders each write a temp file, then rename)."""
+def _build(compiler: str, kernel_set: KernelSet) -> Path:
+    """Compile the sources for ``kernel_set`` into the cache (once; concurrent builders each write a temp file,
+    then rename)."""
+    flags = (*COMMON_FLAGS, *kernel_set.flags)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+    digest = hashlib.sha256(" ".join(flags).encode() + version.encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    target = _cache_dir() / f"kunlun_cpu-{digest.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"kunlun_cpu-{kernel_set.name}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True,
                            text=True, timeout=300)
             os.replace(tmp, target)
         finally:
@@ -79,26 +132,72 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or ``None`` when this machine cannot build or run them."""
+def _isa_note() -> str:
+    cap = os.environ.get(ISA_ENV, "").strip()
+    return f"; {ISA_ENV}={cap}" if cap and cap != "native" else ""
+
+
+def planned() -> tuple[KernelSet | None, str]:
+    """The kernel set this CPU gets and why, from its flags alone (nothing is built)."""
     flags = cpu_flags()
-    if not REQUIRED_CPU_FLAGS <= flags:
-        log.debug("native CPU kernels not used: the CPU lacks %s", ", ".join(sorted(REQUIRED_CPU_FLAGS - flags)))
-        return None
+    for i, candidate in enumerate(KERNEL_SETS):
+        if candidate.requires <= flags:
+            better = KERNEL_SETS[:i]
+            lacks = f"; the CPU lacks {', '.join(sorted(better[0].requires - flags))} for {better[0].name}" \
+                if better else ""
+            return candidate, f"{candidate.summary}{lacks}{_isa_note()}"
+    weakest = KERNEL_SETS[-1]
+    return None, f"the CPU lacks {', '.join(sorted(weakest.requires - flags))}{_isa_note()}"
+
+
+@functools.cache
+def load(kernel_set: KernelSet) -> ctypes.CDLL:
+    """``kernel_set`` built (or found in the cache) and loaded; raises ``OSError``/``SubprocessError`` on failure."""
     name = os.environ.get("CC", "cc")
     compiler = shutil.which(name)
     if compiler is None:
-        log.info("native CPU kernels not built: no C compiler (%s) found; using torch's kernels", name)
-        return None
+        raise OSError(f"no C compiler '{name}' found (set $CC)")
     torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernels share its threads
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = (getattr(exc, "stderr", None) or str(exc)).strip().splitlines()
-        log.info("native CPU kernels not built (%s); using torch's kernels", detail[-1] if detail else exc)
-        return None
+    lib = ctypes.CDLL(str(_build(compiler, kernel_set)))
     for function, (argtypes, restype) in SIGNATURES.items():
         getattr(lib, function).argtypes = argtypes
         getattr(lib, function).restype = restype
     return lib
+
+
+@functools.cache
+def selection() -> Selection:
+    """Which kernels serve the host ops here (decided once per process; tests clear the cache)."""
+    kernel_set, reason = planned()
+    amx = "amx_bf16" in cpu_flags()
+    if kernel_set is None:
+        log.info("native CPU kernels not used: %s; using torch's kernels", reason)
+        return Selection("torch", None, None, "onednn" if amx else "torch", reason)
+    try:
+        lib = load(kernel_set)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = (getattr(exc, "stderr", None) or str(exc)).strip().splitlines()
+        why = f"the {kernel_set.name} kernels did not build: {detail[-1] if detail else exc}"
+        log.info("native CPU kernels not used: %s; using torch's kernels", why)
+        return Selection("torch", None, None, "onednn" if amx else "torch", why)
+    if amx:
+        return Selection("amx", kernel_set, lib, "onednn",
+                         f"bf16 linear through oneDNN's AMX tiles, the rest {kernel_set.name}: {reason}")
+    return Selection(kernel_set.name, kernel_set, lib, "native", reason)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels of :func:`selection`, or ``None`` when this machine cannot build or run them."""
+    return selection().library
+
+
+def describe_planned() -> str:
+    """One line for ``kunlun-infer plugins`` / ``doctor``: the kernel set chosen here and why (builds nothing)."""
+    kernel_set, reason = planned()
+    if kernel_set is None:
+        return f"torch ({reason})"
+    name = "amx" if "amx_bf16" in cpu_flags() else kernel_set.name
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        return f"torch (no C compiler '{compiler}' to build the {kernel_set.name} kernels)"
+    return f"{name} ({reason})"

@@ -9,9 +9,10 @@ sequences run one SDPA call each with a bottom-right causal mask. Low
 precision inputs are attended in float32, like the reference.
 
 Option ``cpu`` (the default config's choice) serves the host CPU with the
-kernels of :mod:`kunlun_infer.plugins.cpu_kernels` (oneDNN-prepacked bf16
-linear, batched grouped-query decode attention, fused norms); on a device
-whose tensors do not live on the host it is option ``torch``.
+kernels of :mod:`kunlun_infer.plugins.cpu_kernels` (native GEMMs, decode
+attention from the paged cache, fused norms, in the kernel set chosen for
+this CPU — the plugin's ``cpu_kernels`` stack entry says which and why); on a
+device whose tensors do not live on the host it is option ``torch``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kunlun_infer import __version__
 from kunlun_infer.capabilities import Device, DictOpsProvider
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.ops import OP_SPECS
-from kunlun_infer.plugins import cpu_kernels
+from kunlun_infer.plugins import cpu_kernels, cpu_native
 from kunlun_infer.plugins.cpu_device import stack_versions
 
 PLUGIN_NAME = "torch-ops"
@@ -108,8 +109,9 @@ def make_cpu_ops(*, config: Any, device: Device | None) -> DictOpsProvider:
 
 @hookimpl
 def kunlun_infer_plugin_info() -> PluginInfo:
+    # which native kernel set ops=cpu uses here, and why: shown by `kunlun-infer plugins` and `doctor`
     return PluginInfo(name=PLUGIN_NAME, version=__version__, api=">=1.0,<2", capabilities=("ops",),
-                      stack=stack_versions(),
+                      stack={**stack_versions(), "cpu_kernels": cpu_native.describe_planned()},
                       description="every op in plain torch (any torch device); tuned host-CPU kernels (cpu)")
 
 

@@ -1,65 +1,38 @@
 /*
- * The small per-layer ops in one pass each (AVX-512): RMSNorm (with the residual add), SwiGLU, rotary.
+ * The small per-layer ops in one pass each: RMSNorm (with the residual add), SwiGLU, rotary.
  *
- * Built and loaded by cpu_native.py. Each kernel reproduces its plain-torch reference's roundings: in
- * bf16 every intermediate the reference materialises in bf16 is rounded to bf16 here too (round to
- * nearest even), so results match the reference up to the order of float32 sums. Rows are shared among
- * the OpenMP threads when there are enough of them to be worth it.
+ * Built for every kernel set by cpu_native.py (vectors of simd.h). Each kernel reproduces its plain-torch
+ * reference's roundings: in bf16 every intermediate the reference materialises in bf16 is rounded to bf16
+ * here too (round to nearest even), so results match the reference up to the order of float32 sums. Rows
+ * are shared among the OpenMP threads when there are enough of them to be worth it.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-#include "simd_math.h"
+#include "simd.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
 
-
-/* Load up to 16 elements (mask) as float32; store float32 as the tensor's dtype (bf16: round to nearest even). */
-static inline __attribute__((always_inline)) __m512 load(const void *base, int64_t i, __mmask16 m, const int bf16) {
-    if (bf16) {
-        const __m256i half = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    }
-    return _mm512_maskz_loadu_ps(m, (const float *)base + i);
-}
-
-static inline __attribute__((always_inline)) void store(void *base, int64_t i, __m512 v, __mmask16 m, const int bf16) {
-    if (bf16)
-        _mm256_mask_storeu_epi16((uint16_t *)base + i, m, (__m256i)_mm512_cvtneps_pbh(v));
-    else
-        _mm512_mask_storeu_ps((float *)base + i, m, v);
-}
-
 /* What the tensor's dtype makes of a float32 value (bf16: rounded, float32: itself). */
-static inline __attribute__((always_inline)) __m512 as_dtype(__m512 v, const int bf16) {
-    if (!bf16) return v;
-    const __m256i half = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
+INLINE vf as_dtype(vf v, const int bf16) { return bf16 ? vf_round_bf16(v) : v; }
 
-static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
-
-static inline __attribute__((always_inline)) void rms_row(
-        const void *x, const void *residual, const void *weight, void *out, void *residual_out, int64_t row,
-        int64_t n, float eps, const int bf16) {
+INLINE void rms_row(const void *x, const void *residual, const void *weight, void *out, void *residual_out,
+                    int64_t row, int64_t n, float eps, const int bf16) {
     const int64_t base = row * n;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = tail_mask(n - i);
-        __m512 v = load(x, base + i, m, bf16);
+    vf squares = vf_zero();
+    for (int64_t i = 0; i < n; i += VLEN) {
+        vf v = vf_load_n(x, base + i, n - i, bf16);
         if (residual) {
-            v = as_dtype(_mm512_add_ps(v, load(residual, base + i, m, bf16)), bf16);
-            store(residual_out, base + i, v, m, bf16);
+            v = as_dtype(vf_add(v, vf_load_n(residual, base + i, n - i, bf16)), bf16);
+            vf_store_n(residual_out, base + i, v, n - i, bf16);
         }
-        squares = _mm512_fmadd_ps(v, v, squares);
+        squares = vf_fma(v, v, squares);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps));
+    const vf inv = vf_set1(1.0f / sqrtf(vf_sum(squares) / (float)n + eps));
     const void *src = residual ? residual_out : x;
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = tail_mask(n - i);
-        const __m512 normed = as_dtype(_mm512_mul_ps(load(src, base + i, m, bf16), inv), bf16);
-        store(out, base + i, _mm512_mul_ps(load(weight, i, m, bf16), normed), m, bf16);
+    for (int64_t i = 0; i < n; i += VLEN) {
+        const vf normed = as_dtype(vf_mul(vf_load_n(src, base + i, n - i, bf16), inv), bf16);
+        vf_store_n(out, base + i, vf_mul(vf_load_n(weight, i, n - i, bf16), normed), n - i, bf16);
     }
 }
 
@@ -78,16 +51,12 @@ void kunlun_rms_norm(const void *x, const void *residual, const void *weight, vo
     }
 }
 
-static inline __attribute__((always_inline)) void swiglu_row(const void *x, void *out, int64_t row, int64_t n,
-                                                              const int bf16) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = tail_mask(n - i);
-        const __m512 gate = load(x, row * 2 * n + i, m, bf16);
-        const __m512 up = load(x, row * 2 * n + n + i, m, bf16);
-        const __m512 one = _mm512_set1_ps(1.0f);
-        const __m512 neg_gate = _mm512_sub_ps(_mm512_setzero_ps(), gate);
-        const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, exp_ps(neg_gate)));
-        store(out, row * n + i, _mm512_mul_ps(as_dtype(silu, bf16), up), m, bf16);
+INLINE void swiglu_row(const void *x, void *out, int64_t row, int64_t n, const int bf16) {
+    for (int64_t i = 0; i < n; i += VLEN) {
+        const vf gate = vf_load_n(x, row * 2 * n + i, n - i, bf16);
+        const vf up = vf_load_n(x, row * 2 * n + n + i, n - i, bf16);
+        const vf silu = vf_div(gate, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gate))));
+        vf_store_n(out, row * n + i, vf_mul(as_dtype(silu, bf16), up), n - i, bf16);
     }
 }
 
@@ -102,25 +71,23 @@ void kunlun_silu_and_mul(const void *x, void *out, int64_t rows, int64_t n, int 
     }
 }
 
-static inline __attribute__((always_inline)) void rotate_heads(const void *src, int64_t src_stride, void *dst,
-        int64_t token, int64_t heads, int64_t d, const float *cs, const int bf16) {
+INLINE void rotate_heads(const void *src, int64_t src_stride, void *dst, int64_t token, int64_t heads, int64_t d,
+                         const float *cs, const int bf16) {
     const int64_t half = d / 2;
     for (int64_t h = 0; h < heads; h++) {
         const int64_t base = (token * heads + h) * d, src_base = token * src_stride + h * d;
-        for (int64_t i = 0; i < half; i += 16) {
-            const __mmask16 m = tail_mask(half - i);
-            const __m512 cos_lo = as_dtype(_mm512_maskz_loadu_ps(m, cs + i), bf16);
-            const __m512 cos_hi = as_dtype(_mm512_maskz_loadu_ps(m, cs + half + i), bf16);
-            const __m512 sin_lo = as_dtype(_mm512_maskz_loadu_ps(m, cs + d + i), bf16);
-            const __m512 sin_hi = as_dtype(_mm512_maskz_loadu_ps(m, cs + d + half + i), bf16);
-            const __m512 lo = load(src, src_base + i, m, bf16), hi = load(src, src_base + half + i, m, bf16);
+        for (int64_t i = 0; i < half; i += VLEN) {
+            const int64_t left = half - i;
+            const vf cos_lo = as_dtype(vf_load_n(cs, i, left, 0), bf16);
+            const vf cos_hi = as_dtype(vf_load_n(cs, half + i, left, 0), bf16);
+            const vf sin_lo = as_dtype(vf_load_n(cs, d + i, left, 0), bf16);
+            const vf sin_hi = as_dtype(vf_load_n(cs, d + half + i, left, 0), bf16);
+            const vf lo = vf_load_n(src, src_base + i, left, bf16), hi = vf_load_n(src, src_base + half + i, left, bf16);
             /* x * cos + rotate_half(x) * sin, rotate_half(x) = (-hi, lo); each product rounded as the reference */
-            const __m512 out_lo = _mm512_sub_ps(as_dtype(_mm512_mul_ps(lo, cos_lo), bf16),
-                                                as_dtype(_mm512_mul_ps(hi, sin_lo), bf16));
-            const __m512 out_hi = _mm512_add_ps(as_dtype(_mm512_mul_ps(hi, cos_hi), bf16),
-                                                as_dtype(_mm512_mul_ps(lo, sin_hi), bf16));
-            store(dst, base + i, out_lo, m, bf16);
-            store(dst, base + half + i, out_hi, m, bf16);
+            const vf out_lo = vf_sub(as_dtype(vf_mul(lo, cos_lo), bf16), as_dtype(vf_mul(hi, sin_lo), bf16));
+            const vf out_hi = vf_add(as_dtype(vf_mul(hi, cos_hi), bf16), as_dtype(vf_mul(lo, sin_hi), bf16));
+            vf_store_n(dst, base + i, out_lo, left, bf16);
+            vf_store_n(dst, base + half + i, out_hi, left, bf16);
         }
     }
 }

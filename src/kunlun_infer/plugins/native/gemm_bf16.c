@@ -1,7 +1,8 @@
 /*
  * bf16 GEMM for the host CPU with AVX512-BF16: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias), float32 accumulation.
  *
- * Built and loaded by cpu_native.py, called by cpu_gemm.py. The weight is packed once into tiles of 32
+ * Built by cpu_native.py into the kernel sets with AVX512-BF16 (gemm.c serves bf16 elsewhere), called by
+ * cpu_gemm.py. The weight is packed once into tiles of 32
  * output features with the reduction dimension in pairs, [ceil(N / 32)][K / 2][32][2], so one 64-byte
  * load feeds one VDPBF16PS for 16 outputs and the activations are broadcast two at a time: no horizontal
  * sums, and each tile of the weight is read as one sequential stream. Every tile of 32 outputs computes
@@ -12,6 +13,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__AVX512BF16__)
 
 #define TILE_N 32
 #define MAX_ROWS 12
@@ -60,8 +63,8 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 #define ROWS_CASE(R) case R: tile_rows(pt, xr, k, bt, yr, n, mask0, mask1, R); break;
 
-/* Y [M, N] bf16 = X [M, K] bf16 @ W^T + bias (float32 [N] or NULL), W packed by kunlun_pack_bf16. */
-void kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y,
+/* Y [M, N] bf16 = X [M, K] bf16 @ W^T + bias (float32 [N] or NULL), W packed by kunlun_pack_bf16. Returns 0. */
+int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k) {
     const int64_t tiles = (n + TILE_N - 1) / TILE_N;
     #pragma omp parallel for schedule(static)
@@ -80,4 +83,7 @@ void kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, u
             }
         }
     }
+    return 0;
 }
+
+#endif

@@ -1,0 +1,225 @@
+/*
+ * GEMM with float32 accumulation for every kernel set: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias).
+ *
+ * Built by cpu_native.py, called by cpu_gemm.py. Weights are float32, or bf16 widened to float32 in
+ * registers (where the kernel set has no AVX512-BF16 dot product; gemm_bf16.c serves bf16 there). Both
+ * are packed once into tiles of NR = 2 * VLEN output features, [ceil(N / NR)][K][NR], so one tile of a
+ * weight is one sequential stream. A bf16 tile keeps outputs j and j + VLEN in one 32-bit lane: a shift
+ * and a mask turn one load into the two float32 vectors.
+ *
+ * The rows of X are taken MC at a time and packed to float32 in blocks of MR rows, [K][MR], so the
+ * micro-kernel broadcasts each row's value from one contiguous stream; it keeps an MR x NR block of Y
+ * in registers over the whole of K (2 * MR accumulators), and writes it once. Tiles are shared among the
+ * OpenMP threads. A decode step (M <= MR) reads each weight exactly once, at memory speed; a prefill
+ * reuses each tile from cache for every block of rows, bounded by the FMA units.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+#define NR (2 * VLEN)
+#if VLEN == 16
+#define MR 12
+#else
+#define MR 6
+#endif
+/* rows of X packed at once: their float32 copy (MC x K) stays in the second-level cache */
+#define MC (8 * MR)
+
+enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1 };
+
+/* loops over rows and accumulator sets are unrolled so that the accumulators live in registers */
+#define UNROLL _Pragma("GCC unroll 16")
+
+int64_t kunlun_gemm_tile_n(void) { return NR; }
+
+/* Pack W [N, K] float32 into P [ceil(N / NR)][K][NR]; rows past N are zero. */
+void kunlun_pack_f32(const float *w, float *p, int64_t n, int64_t k) {
+    const int64_t tiles = (n + NR - 1) / NR;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t q = 0; q < k; q++)
+            for (int64_t j = 0; j < NR; j++) {
+                const int64_t row = t * NR + j;
+                p[(t * k + q) * NR + j] = row < n ? w[row * k + q] : 0.0f;
+            }
+}
+
+#if !defined(__AVX512BF16__)
+/* Pack W [N, K] bf16 into P [ceil(N / NR)][K][NR] bf16, lane j of a tile holding outputs j and j + VLEN. */
+void kunlun_pack_bf16(const uint16_t *w, uint16_t *p, int64_t n, int64_t k) {
+    const int64_t tiles = (n + NR - 1) / NR;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t q = 0; q < k; q++)
+            for (int64_t j = 0; j < NR; j++) {
+                const int64_t out = j % 2 == 0 ? j / 2 : VLEN + j / 2, row = t * NR + out;
+                p[(t * k + q) * NR + j] = row < n ? w[row * k + q] : 0;
+            }
+}
+#endif
+
+/* Rows [0, rows) of X (bf16 or float32, row stride k) as float32 blocks of `per_block` rows,
+ * [ceil(rows / per_block)][K][MR] (lanes past a block's rows unused). */
+static void pack_rows(const void *x, const int xbf16, int64_t rows, int64_t k, int64_t per_block, float *dst) {
+    const int64_t blocks = (rows + per_block - 1) / per_block;
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        float *block = dst + b * k * MR;
+        for (int64_t r = 0; r < per_block && b * per_block + r < rows; r++) {
+            const int64_t row = b * per_block + r;
+            if (xbf16) {
+                const uint16_t *src = (const uint16_t *)x + row * k;
+                for (int64_t q = 0; q < k; q++) block[q * MR + r] = float_from_bf16(src[q]);
+            } else {
+                const float *src = (const float *)x + row * k;
+                for (int64_t q = 0; q < k; q++) block[q * MR + r] = src[q];
+            }
+        }
+    }
+}
+
+/* The two float32 vectors of weight tile `w` at reduction index q. */
+INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w1) {
+    if (wkind == WEIGHT_BF16) {
+#if VLEN == 16
+        const __m512i pair = _mm512_loadu_si512((const uint16_t *)w + q * NR);
+        *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        *w1 = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)));
+#else
+        const __m256i pair = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + q * NR));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+        *w1 = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32((int)0xFFFF0000u)));
+#endif
+    } else {
+        *w0 = vf_loadu((const float *)w + q * NR);
+        *w1 = vf_loadu((const float *)w + q * NR + VLEN);
+    }
+}
+
+/*
+ * One block of Y (the first `rows` <= MR rows, NR columns) from packed rows `a` [K][MR] and weight tile `w`
+ * [K][NR]. With few rows the FMA latency, not their throughput, would bound the loop: `phases` independent
+ * sets of accumulators take turns over K so that 8 or more FMAs are in flight, and are summed at the end.
+ */
+INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t k, const float *bias,
+                         void *y, int64_t ldy, int64_t cols, const int ybf16, const int rows, const int phases) {
+    vf acc0[4][MR], acc1[4][MR];
+    UNROLL for (int p = 0; p < phases; p++)
+        UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vf_zero();
+    int64_t q = 0;
+    for (; q + phases <= k; q += phases)
+        UNROLL for (int p = 0; p < phases; p++) {
+            vf w0, w1;
+            weight_pair(w, wkind, q + p, &w0, &w1);
+            UNROLL for (int r = 0; r < rows; r++) {
+                const vf xr = vf_set1(a[(q + p) * MR + r]);
+                acc0[p][r] = vf_fma(xr, w0, acc0[p][r]);
+                acc1[p][r] = vf_fma(xr, w1, acc1[p][r]);
+            }
+        }
+    for (; q < k; q++) {
+        vf w0, w1;
+        weight_pair(w, wkind, q, &w0, &w1);
+        UNROLL for (int r = 0; r < rows; r++) {
+            const vf xr = vf_set1(a[q * MR + r]);
+            acc0[0][r] = vf_fma(xr, w0, acc0[0][r]);
+            acc1[0][r] = vf_fma(xr, w1, acc1[0][r]);
+        }
+    }
+    const vf b0 = bias ? vf_load_n(bias, 0, cols, 0) : vf_zero();
+    const vf b1 = bias ? vf_load_n(bias, VLEN, cols - VLEN, 0) : vf_zero();
+    UNROLL for (int r = 0; r < rows; r++) {
+        vf s0 = vf_add(acc0[0][r], b0), s1 = vf_add(acc1[0][r], b1);
+        UNROLL for (int p = 1; p < phases; p++) {
+            s0 = vf_add(s0, acc0[p][r]);
+            s1 = vf_add(s1, acc1[p][r]);
+        }
+        vf_store_n(y, r * ldy, s0, cols, ybf16);
+        if (cols > VLEN) vf_store_n(y, r * ldy + VLEN, s1, cols - VLEN, ybf16);
+    }
+}
+
+/* accumulator sets for a block of R rows: at least 8 independent FMAs per reduction step */
+#define PHASES(R) ((R) == 1 ? 4 : (R) <= 3 ? 2 : 1)
+#define ROWS_CASE(R) case R: micro_kernel(a, w, wkind, k, b, yt, n, cols, ybf16, R, PHASES(R)); break;
+
+INLINE void block_of_rows(const float *a, const void *w, const int wkind, int64_t k, const float *b, void *yt,
+                          int64_t n, int64_t cols, const int ybf16, int64_t rows) {
+    switch (rows) {
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
+#if MR > 6
+        ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
+#endif
+    }
+}
+
+/* Y [M, N] = X [M, K] @ W^T + bias; X and Y bf16 (xbf16) or float32; W packed by kunlun_pack_*. Returns -1
+ * (having written nothing) if the row buffer cannot be allocated, else 0. */
+INLINE int gemm(const void *p, const int wkind, const void *x, const int xbf16, const float *bias, void *y,
+                int64_t m, int64_t n, int64_t k) {
+    const int64_t tiles = (n + NR - 1) / NR, welem = wkind == WEIGHT_BF16 ? 2 : 4;
+    float *packed = (float *)malloc(sizeof(float) * (size_t)(m < MC ? (m + MR - 1) / MR * MR : MC) * (size_t)k);
+    if (packed == NULL) return -1;
+    #pragma omp parallel if (m * n * k >= 32768)
+    for (int64_t m0 = 0; m0 < m; m0 += MC) {
+        const int64_t mc = m - m0 < MC ? m - m0 : MC;
+        /* blocks of nearly equal size (13 rows: 5 + 4 + 4, not 6 + 6 + 1): every block keeps the FMAs busy */
+        const int64_t blocks = (mc + MR - 1) / MR, per_block = (mc + blocks - 1) / blocks;
+        pack_rows((const char *)x + m0 * k * (xbf16 ? 2 : 4), xbf16, mc, k, per_block, packed);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const void *w = (const char *)p + t * k * NR * welem;
+            const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
+            const float *b = bias ? bias + col : NULL;
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const int64_t r0 = blk * per_block, rows = mc - r0 < per_block ? mc - r0 : per_block;
+                const float *a = packed + blk * k * MR;
+                void *yt = (char *)y + ((m0 + r0) * n + col) * (xbf16 ? 2 : 4);
+                block_of_rows(a, w, wkind, k, b, yt, n, cols, xbf16, rows);
+            }
+        }
+    }
+    free(packed);
+    return 0;
+}
+
+/* Y [M, N] float32 = X [M, K] float32 @ W^T + bias, W packed by kunlun_pack_f32. */
+int kunlun_gemm_f32(const float *p, const float *x, const float *bias, float *y, int64_t m, int64_t n, int64_t k) {
+    return gemm(p, WEIGHT_F32, x, 0, bias, y, m, n, k);
+}
+
+#if !defined(__AVX512BF16__)
+/* Y [M, N] bf16 = X [M, K] bf16 @ W^T + bias (float32 or NULL), W packed by kunlun_pack_bf16. */
+int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y, int64_t m, int64_t n,
+                     int64_t k) {
+    return gemm(p, WEIGHT_BF16, x, 1, bias, y, m, n, k);
+}
+#endif
+
+/*
+ * The FMA units at full speed: every thread runs `iterations` rounds of 12 independent vector FMAs.
+ * Returns the floating-point operations done (2 per lane per FMA) — time it to get the peak FLOP/s.
+ */
+double kunlun_fma_probe(int64_t iterations) {
+    double flops = 0.0;
+    #pragma omp parallel reduction(+ : flops)
+    {
+        vf a0 = vf_set1(0.f), a1 = vf_set1(1.f), a2 = vf_set1(2.f), a3 = vf_set1(3.f), a4 = vf_set1(4.f);
+        vf a5 = vf_set1(5.f), a6 = vf_set1(6.f), a7 = vf_set1(7.f), a8 = vf_set1(8.f), a9 = vf_set1(9.f);
+        vf a10 = vf_set1(10.f), a11 = vf_set1(11.f);
+        const vf m = vf_set1(0.999999f), c = vf_set1(1e-7f);
+        for (int64_t it = 0; it < iterations; it++) {
+            a0 = vf_fma(a0, m, c); a1 = vf_fma(a1, m, c); a2 = vf_fma(a2, m, c); a3 = vf_fma(a3, m, c);
+            a4 = vf_fma(a4, m, c); a5 = vf_fma(a5, m, c); a6 = vf_fma(a6, m, c); a7 = vf_fma(a7, m, c);
+            a8 = vf_fma(a8, m, c); a9 = vf_fma(a9, m, c); a10 = vf_fma(a10, m, c); a11 = vf_fma(a11, m, c);
+            __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7),
+                             "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+        }
+        const vf total = vf_add(vf_add(vf_add(a0, a1), vf_add(a2, a3)), vf_add(vf_add(a4, a5), vf_add(a6, a7)));
+        const float sink = vf_sum(vf_add(total, vf_add(vf_add(a8, a9), vf_add(a10, a11))));
+        flops = (double)iterations * 12 * VLEN * 2 + (sink == 12345.0f);
+    }
+    return flops;
+}

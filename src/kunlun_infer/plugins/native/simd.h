@@ -1,0 +1,225 @@
+/*
+ * One vector vocabulary for the native kernels, compiled once per kernel set (see cpu_native.py).
+ *
+ * A source written against this header builds for AVX-512 (16 floats per vector, masked tails) and for
+ * AVX2 + FMA (8 floats per vector, tails through a small buffer). `vf` is a vector of VLEN float32;
+ * bf16 values are widened to float32 by a 16-bit shift and rounded back to nearest even. Included by every
+ * kernel source; part of the build's cache key.
+ */
+#ifndef KUNLUN_SIMD_H
+#define KUNLUN_SIMD_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__)
+
+#define VLEN 16
+typedef __m512 vf;
+
+INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+INLINE vf vf_set1(float x) { return _mm512_set1_ps(x); }
+INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+INLINE vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+INLINE vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+INLINE vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a * b + c */
+INLINE vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void vf_storeu(float *p, vf v) { _mm512_storeu_ps(p, v); }
+INLINE float vf_sum(vf v) { return _mm512_reduce_add_ps(v); }
+INLINE float vf_hmax(vf v) { return _mm512_reduce_max_ps(v); }
+
+INLINE vf vf_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* float32 -> bf16 bits, round to nearest even (NaN stays NaN), in the low 16 bits of each 32-bit lane */
+INLINE __m512i bf16_bits(vf v) {
+    const __m512i x = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40)));
+}
+
+INLINE void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits(v))); }
+
+/* what bf16 makes of a float32 value */
+INLINE vf vf_round_bf16(vf v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+
+INLINE __mmask16 tail_mask(int64_t count) {
+    return count >= 16 ? 0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
+}
+
+/* `count` (<= VLEN) elements at base[i] (bf16 or float32) as float32, zeros past them */
+INLINE vf vf_load_n(const void *base, int64_t i, int64_t count, const int bf16) {
+    const __mmask16 m = tail_mask(count);
+    if (bf16) {
+        const __m256i half = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+}
+
+INLINE void vf_store_n(void *base, int64_t i, vf v, int64_t count, const int bf16) {
+    const __mmask16 m = tail_mask(count);
+    if (bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
+    else
+        _mm512_mask_storeu_ps((float *)base + i, m, v);
+}
+
+/* The VLEN horizontal sums of v[0..VLEN-1] as one vector (lane i = sum of v[i]), by interleaving adds. */
+INLINE vf vf_transpose_sum(const vf *v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e, f, 0x88), _mm512_shuffle_f32x4(e, f, 0xDD));
+}
+
+INLINE vf vf_round_int(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+INLINE vf vf_pow2i(vf n) { return _mm512_scalef_ps(_mm512_set1_ps(1.0f), n); } /* 2^n, n integral */
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+#define VLEN 8
+typedef __m256 vf;
+
+INLINE vf vf_zero(void) { return _mm256_setzero_ps(); }
+INLINE vf vf_set1(float x) { return _mm256_set1_ps(x); }
+INLINE vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+INLINE vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+INLINE vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+INLINE vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+INLINE vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+INLINE vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+INLINE vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vf vf_loadu(const float *p) { return _mm256_loadu_ps(p); }
+INLINE void vf_storeu(float *p, vf v) { _mm256_storeu_ps(p, v); }
+
+INLINE float vf_sum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE float vf_hmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE vf vf_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* float32 -> bf16 bits, round to nearest even (NaN stays NaN), in the low 16 bits of each 32-bit lane */
+INLINE __m256i bf16_bits(vf v) {
+    const __m256i x = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+/* 8 lanes of bf16 bits (low halves) as 8 packed 16-bit values */
+INLINE __m128i pack_bf16_bits(__m256i bits) {
+    const __m256i packed = _mm256_packus_epi32(bits, bits); /* per 128-bit lane: 4 values, twice */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+INLINE void vf_store_bf16(uint16_t *p, vf v) { _mm_storeu_si128((__m128i *)p, pack_bf16_bits(bf16_bits(v))); }
+
+INLINE vf vf_round_bf16(vf v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+
+INLINE vf vf_load_n(const void *base, int64_t i, int64_t count, const int bf16) {
+    if (count >= VLEN) return bf16 ? vf_load_bf16((const uint16_t *)base + i) : _mm256_loadu_ps((const float *)base + i);
+    if (count <= 0) return vf_zero();
+    if (bf16) {
+        uint16_t tmp[VLEN] = {0};
+        memcpy(tmp, (const uint16_t *)base + i, (size_t)count * sizeof(uint16_t));
+        return vf_load_bf16(tmp);
+    }
+    float tmp[VLEN] = {0};
+    memcpy(tmp, (const float *)base + i, (size_t)count * sizeof(float));
+    return _mm256_loadu_ps(tmp);
+}
+
+INLINE void vf_store_n(void *base, int64_t i, vf v, int64_t count, const int bf16) {
+    if (count <= 0) return;
+    if (bf16) {
+        uint16_t tmp[VLEN];
+        vf_store_bf16(tmp, v);
+        memcpy((uint16_t *)base + i, tmp, (size_t)(count < VLEN ? count : VLEN) * sizeof(uint16_t));
+    } else if (count >= VLEN) {
+        _mm256_storeu_ps((float *)base + i, v);
+    } else {
+        float tmp[VLEN];
+        _mm256_storeu_ps(tmp, v);
+        memcpy((float *)base + i, tmp, (size_t)count * sizeof(float));
+    }
+}
+
+INLINE vf vf_transpose_sum(const vf *v) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3); /* lanes: 0..3 | 0..3 per half */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+INLINE vf vf_round_int(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent field set directly */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+
+#else
+#error "the native kernels need AVX2 and FMA at least"
+#endif
+
+/* e^x, x clamped to [-87, 88]: 2^n * p(r), |r| <= ln2 / 2, degree-7 Taylor polynomial (rel. err < 1e-7).
+ * Serves SwiGLU's sigmoid and the softmax of decode attention. */
+INLINE vf vf_exp(vf x) {
+    x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(88.0f));
+    const vf n = vf_round_int(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fma(n, vf_set1(-0.693359375f), x);
+    r = vf_fma(n, vf_set1(2.12194440e-4f), r);
+    vf p = vf_set1(1.0f / 5040);
+    p = vf_fma(p, r, vf_set1(1.0f / 720));
+    p = vf_fma(p, r, vf_set1(1.0f / 120));
+    p = vf_fma(p, r, vf_set1(1.0f / 24));
+    p = vf_fma(p, r, vf_set1(1.0f / 6));
+    p = vf_fma(p, r, vf_set1(0.5f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    return vf_mul(p, vf_pow2i(n));
+}
+
+/* float32 -> bf16 bits of one value, round to nearest even */
+INLINE uint16_t bf16_from_float(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40);
+    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+INLINE float float_from_bf16(uint16_t h) {
+    const uint32_t x = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
+#endif
