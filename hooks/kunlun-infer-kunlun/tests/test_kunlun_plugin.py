@@ -8,7 +8,6 @@ import torch
 from kunlun_infer.errors import ConfigError, PluginError
 from kunlun_infer.runtime import PluginManager, Runtime, compose_config
 
-from kunlun_infer_kunlun.capabilities import BkclComm
 from kunlun_infer_kunlun.tuning import export_tuning, tuning_env
 
 KUNLUN_RUN = ["device=kunlun", "memory=kunlun", "ops=kunlun", "streams=kunlun", "comm=bkcl"]
@@ -23,14 +22,16 @@ def test_entry_point_registers_kunlun_and_bkcl(manager):
     plugin = manager.plugins["kunlun"]
     assert plugin.distribution == "kunlun-infer-kunlun"
     assert plugin.options("comm") == ["bkcl"] and plugin.options("device") == ["kunlun"]
-    assert "torch_xmlir" in plugin.info.stack  # "not installed" here, a version on a Kunlun host
+    # read from the installed distributions: "not installed" here, versions on a Kunlun host
+    assert {"torch", "xpytorch", "kunlun_ops", "xspeedgate_ops", "cocopod"} <= set(plugin.info.stack)
 
 
 def test_tuning_options_become_bkcl_variables(manager):
     cfg = compose_config([*KUNLUN_RUN, "comm.enable_xdr=true", "comm.pcie_ring=false", "comm.rdma_nics='mlx5_1,mlx5_2'",
                           "+comm.env.BKCL_TIMEOUT=600"], plugin_manager=manager)
     assert tuning_env(cfg.comm) == {"BKCL_RDMA_NICS": "mlx5_1,mlx5_2", "BKCL_ENABLE_XDR": "1",
-                                    "BKCL_PCIE_RING": "0", "BKCL_TIMEOUT": "600"}
+                                    "BKCL_PCIE_RING": "0", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+                                    "BKCL_TIMEOUT": "600"}
 
 
 def test_only_collective_library_variables_pass_through(manager):
@@ -47,21 +48,6 @@ def test_config_wins_over_the_environment_and_says_so(caplog):
     assert "BKCL_PCIE_RING=0 (the environment had 1)" in caplog.text
 
 
-def test_variables_are_exported_before_the_process_group_is_created(tmp_path):
-    environ = {}
-    seen_at_creation = {}
-
-    class Recording(BkclComm):
-        def new_group(self, store, rank, world_size, timeout):
-            seen_at_creation.update(environ)
-            return object()
-
-    device = type("Host", (), {"torch_device": torch.device("cpu")})()
-    comm = Recording(device=device, tuning={"BKCL_ENABLE_XDR": "1"}, environ=environ)
-    comm.init(rank=0, world_size=1, init_method=f"file://{tmp_path / 'rdzv'}")
-    assert seen_at_creation == {"BKCL_ENABLE_XDR": "1"} and comm.world_size == 1
-
-
 def test_device_config_is_typed(manager):
     cfg = compose_config([*KUNLUN_RUN, "device.visible_devices='0,1'", "device.version_check=warn"],
                          plugin_manager=manager)
@@ -73,4 +59,4 @@ def test_runtime_on_this_host_refuses_naming_what_is_missing(manager):
     with pytest.raises(PluginError) as info:
         Runtime.from_config(cfg, plugin_manager=manager)
     assert info.value.plugin == "kunlun" and info.value.layer == "hardware"
-    assert "torch_xmlir is not importable" in str(info.value)
+    assert "/dev/xpuctrl does not exist" in str(info.value) and "torch_xmlir is not importable" in str(info.value)

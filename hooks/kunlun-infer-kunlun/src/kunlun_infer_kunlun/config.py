@@ -1,11 +1,12 @@
 """The Hydra options of the Kunlun plugin.
 
 ``device=kunlun`` adds ``visible_devices`` (sets ``XPU_VISIBLE_DEVICES``
-before the vendor stack starts) and ``version_check`` (``error``, ``warn`` or
-``off``: what a mismatch in the version matrix does). ``comm=bkcl`` adds the
-collective library's tuning knobs, each exported as its ``BKCL_*`` variable
-before the process group is created, plus ``env`` for any other
-``BKCL_``/``XCCL_``/``XSHMEM_`` variable.
+before the device runtime starts) and ``version_check`` (``warn``, ``error``
+or ``off``: what a combination the observed deployments contradict does;
+``warn`` by default, since the matrix is observation, not a vendor
+guarantee). ``comm=bkcl`` adds the collective library's tuning knobs, each
+exported as its variable before the process group is created, plus ``env``
+for any other ``BKCL_``/``XCCL_``/``XSHMEM_`` variable.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kunlun_infer.hookspecs import ConfigOption
 
 DEVICE = "kunlun"
 COMM = "bkcl"
-VERSION_CHECK_MODES = ("error", "warn", "off")
+VERSION_CHECK_MODES = ("warn", "error", "off")
 
 
 @dataclasses.dataclass
@@ -28,8 +29,8 @@ class KunlunDeviceConfig(DeviceConfig):
     name: str = DEVICE
     #: comma-separated physical XPU ids, exported as XPU_VISIBLE_DEVICES; None = leave the env alone
     visible_devices: Optional[str] = None
-    #: what a version-matrix mismatch does: error | warn | off
-    version_check: str = "error"
+    #: what a version-matrix mismatch does: warn | error | off
+    version_check: str = "warn"
 
 
 @dataclasses.dataclass
@@ -49,6 +50,15 @@ class BkclCommConfig(CommConfig):
     rdma_verbs: Optional[bool] = None
     #: BKCL_TRACE_TOPO: log the topology the library found
     trace_topo: Optional[bool] = None
+    #: BKCL_TIMEOUT: the library's collective timeout, passed as given (deployments set e.g. 400000)
+    timeout: Optional[int] = None
+    #: BKCL_TREE_THRESHOLD: message size from which the tree algorithm is used (0 and 1 appear in guides)
+    tree_threshold: Optional[int] = None
+    #: BKCL_FORCE_L3_RDMA: RDMA buffers in L3; guides leave it 0 (1 runs out of memory when L3 is short)
+    force_l3_rdma: Optional[bool] = None
+    #: TORCH_NCCL_AVOID_RECORD_STREAMS: torch's NCCL-backend process group holds tensors until their collective
+    #: ends instead of recording them on its stream, so the caching allocator reuses their memory sooner
+    avoid_record_streams: Optional[bool] = True
     #: any further BKCL_* / XCCL_* / XSHMEM_* variables, exported as given
     env: Dict[str, str] = dataclasses.field(default_factory=dict)
 

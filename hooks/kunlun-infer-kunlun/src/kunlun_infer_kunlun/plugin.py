@@ -8,7 +8,6 @@ device is opened (and in ``Device.stack_versions``).
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,15 +18,6 @@ from kunlun_infer.hookspecs import ConfigOption, PluginInfo, hookimpl
 
 from kunlun_infer_cuda.device import config_value
 from kunlun_infer_kunlun.config import COMM, DEVICE, config_options
-
-
-def _installed_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def make_device(*, config: Any = None, local_rank: int = 0) -> Any:
@@ -56,25 +46,27 @@ def make_streams(*, config: Any = None, device: Any) -> Any:
 
 def make_comm(*, config: Any = None, device: Any) -> Any:
     from kunlun_infer.plugins.process_group import parse_dtype
-    from kunlun_infer_kunlun.capabilities import BkclComm
+    from kunlun_infer_kunlun.comm import BkclComm
+    from kunlun_infer_kunlun.config import BkclCommConfig
     from kunlun_infer_kunlun.tuning import tuning_env
 
-    return BkclComm(device=device, tuning=tuning_env(config) if config is not None else {},
+    return BkclComm(device=device, tuning=tuning_env(config if config is not None else BkclCommConfig()),
                     accumulate_dtype=parse_dtype(config_value(config, "accumulate_dtype", "float32")))
 
 
 @hookimpl
 def kunlun_infer_plugin_info() -> PluginInfo:
-    stack = {"torch": torch.__version__}
-    xmlir = _installed_version("torch_xmlir", "torch-xmlir", "xpytorch")
-    stack["torch_xmlir"] = xmlir or "not installed"
+    from kunlun_infer_kunlun.detect import StackProbe, package_versions
+
+    found = package_versions(StackProbe())  # installed distributions only: no tool runs, nothing is imported
+    stack = {"torch": torch.__version__, **{k: v or "not installed" for k, v in found.items() if k != "torch"}}
     return PluginInfo(
         name="kunlun",
         version=kunlun_infer_kunlun.__version__,
         api=">=1.0,<2",
         capabilities=("device", "memory", "ops", "comm", "streams"),
         stack=stack,
-        description="Kunlun XPU (P800) via torch_xmlir, BKCL/XCCL collectives; not yet run on a Kunlun card",
+        description="Kunlun XPU (P800) via the xpytorch build, BKCL/XCCL collectives; not yet run on a Kunlun card",
     )
 
 

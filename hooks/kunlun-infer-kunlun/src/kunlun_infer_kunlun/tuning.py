@@ -1,7 +1,8 @@
-"""Collective-library tuning: ``comm=bkcl`` options exported as ``BKCL_*`` variables.
+"""Collective-library tuning: ``comm=bkcl`` options exported as ``BKCL_*`` (and torch's NCCL-backend) variables.
 
 BKCL reads its settings from the environment when a communicator is created,
-so they are exported just before the process group is built. A value the
+and torch's NCCL-backend process group reads ``TORCH_NCCL_AVOID_RECORD_STREAMS``
+when it is built, so they are exported just before the process group is. A value the
 config sets wins over one already in the environment (logged, since that is
 the surprising case); options left at None leave the environment alone.
 Booleans are exported as ``1``/``0``.
@@ -25,6 +26,10 @@ TUNING_VARIABLES = {
     "pcie_ring": "BKCL_PCIE_RING",
     "rdma_verbs": "BKCL_RDMA_VERBS",
     "trace_topo": "BKCL_TRACE_TOPO",
+    "timeout": "BKCL_TIMEOUT",
+    "tree_threshold": "BKCL_TREE_THRESHOLD",
+    "force_l3_rdma": "BKCL_FORCE_L3_RDMA",
+    "avoid_record_streams": "TORCH_NCCL_AVOID_RECORD_STREAMS",
 }
 ALLOWED_PREFIXES = ("BKCL_", "XCCL_", "XSHMEM_")
 

@@ -1,21 +1,27 @@
 """``XPU_VISIBLE_DEVICES``: which physical cards this process sees, and which one a rank takes.
 
-Like ``CUDA_VISIBLE_DEVICES``, the variable is read once when the vendor
-runtime starts, so ``device.visible_devices`` is exported before
-``torch_xmlir`` is imported, and refused when the stack is already up with a
-different value (it would silently have no effect). Logical index ``i``
-(``device.index``, or the local rank) is the ``i``-th visible card.
+Like ``CUDA_VISIBLE_DEVICES``, the variable is read once, when the device
+runtime starts; the xpytorch build imports itself together with torch, so
+whether ``torch_xmlir`` is imported says nothing — what matters is whether
+the runtime has started (``torch.cuda.is_initialized()``, which the stack
+answers). ``device.visible_devices`` is exported before that, and refused
+after it when it would change the value (it would silently have no effect).
+Where ``CUDA_VISIBLE_DEVICES`` is set too, it gets the same list, so the two
+never disagree. Logical index ``i`` (``device.index``, or the local rank) is
+the ``i``-th visible card.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import MutableMapping
+import logging
+from collections.abc import Callable, MutableMapping
 
 from kunlun_infer.errors import PluginError
 
+log = logging.getLogger("kunlun_infer.plugin.kunlun")
+
 VISIBLE_ENV = "XPU_VISIBLE_DEVICES"
-STACK_MODULE = "torch_xmlir"
+CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 def parse_visible(value: str | None, *, source: str = VISIBLE_ENV) -> list[int] | None:
@@ -34,23 +40,37 @@ def parse_visible(value: str | None, *, source: str = VISIBLE_ENV) -> list[int] 
     return ids
 
 
+def normalise_visible(value: str | None) -> str | None:
+    """``" 0, 1"`` → ``"0,1"``; None/empty → None; anything else unparsable is kept as given."""
+    if value is None or not str(value).strip():
+        return None
+    return ",".join(part.strip() for part in str(value).split(","))
+
+
 def apply_visible_devices(wanted: str | None, environ: MutableMapping[str, str],
-                          modules: dict | None = None) -> list[int] | None:
-    """Export ``wanted`` as XPU_VISIBLE_DEVICES (if given) and return the visible ids (None = all)."""
-    modules = sys.modules if modules is None else modules
-    if wanted is not None:
-        ids = parse_visible(wanted, source="device.visible_devices")
-        current = environ.get(VISIBLE_ENV)
-        normalised = ",".join(str(i) for i in ids or [])
-        if current != normalised:
-            if STACK_MODULE in modules:
-                raise PluginError(
-                    f"device.visible_devices={wanted!r} cannot take effect: {STACK_MODULE} is already imported with "
-                    f"{VISIBLE_ENV}={current!r}; set {VISIBLE_ENV} before the process starts instead",
-                    plugin="kunlun", hook="Device.open", layer="plugin")
-            environ[VISIBLE_ENV] = normalised
-        return ids
-    return parse_visible(environ.get(VISIBLE_ENV))
+                          runtime_started: Callable[[], bool] = lambda: False) -> list[int] | None:
+    """Export ``wanted`` as XPU_VISIBLE_DEVICES (if given) and return the visible ids (None = all).
+
+    ``runtime_started`` says whether the device runtime has read the
+    variable already; changing it then is refused.
+    """
+    if wanted is None:
+        return parse_visible(environ.get(VISIBLE_ENV))
+    ids = parse_visible(wanted, source="device.visible_devices")
+    current = environ.get(VISIBLE_ENV)
+    normalised = ",".join(str(i) for i in ids or [])
+    if current != normalised:
+        if runtime_started():
+            raise PluginError(
+                f"device.visible_devices={wanted!r} cannot take effect: the device runtime has started already "
+                f"with {VISIBLE_ENV}={current!r}; set {VISIBLE_ENV} before the process starts instead",
+                plugin="kunlun", hook="Device.open", layer="plugin")
+        environ[VISIBLE_ENV] = normalised
+    cuda = environ.get(CUDA_VISIBLE_ENV)
+    if cuda is not None and normalise_visible(cuda) != normalised and not runtime_started():
+        log.info("device.visible_devices=%s: %s=%s becomes %s too", wanted, CUDA_VISIBLE_ENV, cuda, normalised)
+        environ[CUDA_VISIBLE_ENV] = normalised
+    return ids
 
 
 def physical_id(index: int, visible: list[int] | None) -> int:
