@@ -21,11 +21,17 @@ _PLUGIN_ENV = ("KUNLUN_INFER_PLUGINS", "KUNLUN_INFER_DISABLE_PLUGINS", "KUNLUN_I
 _counter = itertools.count()
 
 
+@pytest.fixture(scope="session")
+def _session_record(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("doctor-record") / "doctor-runs.jsonl"
+
+
 @pytest.fixture(autouse=True)
-def _clean_plugin_env(monkeypatch):
-    """Tests start without the plugin env controls a developer may have set."""
+def _clean_plugin_env(monkeypatch, _session_record):
+    """Tests start without the plugin env controls a developer may have set, and never touch their doctor record."""
     for key in _PLUGIN_ENV:
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("KUNLUN_INFER_MATRIX_RECORD", str(_session_record))
 
 
 class DistributionFactory:

@@ -2,11 +2,16 @@
 
 The table (or ``--json``, the version matrix) is always printed, even when a
 plugin is broken: a broken plugin is a row with its error, never a crash.
+``--matrix`` answers from the doctor record (:mod:`kunlun_infer.tools.matrix_record`)
+whether each recorded config passed here before with the plugins installed
+now, failed (at which stage), or is new; ``--export FILE`` / ``--import FILE``
+share the record.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation
@@ -32,8 +37,75 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
+def _config_text(config: dict[str, str]) -> str:
+    return " ".join(f"{c}={o}" for c, o in config.items())
+
+
+def _run_text(entry: dict[str, Any]) -> str:
+    stages = entry.get("stages_run") or []
+    span = f"stages {stages[0]}-{stages[-1]}" if len(stages) > 1 else f"stage {stages[0]}" if stages else "no stage"
+    return f"{entry['when']} on {entry.get('host', '?')}, {span}"
+
+
+def _status_lines(answer: Any) -> list[str]:
+    """Two or three lines for one config of ``plugins --matrix``."""
+    head = {"passed": "passed", "failed": "FAILED", "new": "new", "not installed": "n/a"}[answer.status]
+    lines = [f"{head:<8}{_config_text(answer.config)}"]
+    if answer.status in ("passed", "failed"):
+        lines.append(f"        last run {_run_text(answer.last)}; {answer.passed_runs} of {answer.runs} run(s) "
+                     f"with these plugins passed")
+        failure = answer.last.get("failure") if answer.status == "failed" else None
+        if failure:
+            lines.append(f"        at stage {failure['stage']} ({failure['name']}), layer {failure['layer']}"
+                         + (f", plugin {failure['plugin']}" if failure.get("plugin") else "")
+                         + f": {failure['message']}")
+    elif answer.status == "new":
+        prev = answer.previous
+        lines.append(f"        never run with the plugins installed now; its last run ({prev['outcome']}, "
+                     f"{_run_text(prev)}) differs in:")
+        lines += [f"          {change}" for change in answer.changes or ["(nothing the record can show)"]]
+    else:
+        lines.append(f"        cannot run here: no installed plugin serves {', '.join(answer.missing)}")
+    return lines
+
+
+def _record(inv: Invocation, manager: Any) -> int:
+    """``--import``, ``--export`` and ``--matrix``, in that order."""
+    from kunlun_infer.tools import matrix_record as mr
+
+    path = mr.record_path(inv.flags["record"])
+    if inv.flags["import"]:
+        added, present = mr.import_record(path, Path(inv.flags["import"]).expanduser())
+        inv.print(f"imported {added} doctor run(s) into {path} ({present} already there)")
+    if inv.flags["export"]:
+        count = mr.export_record(path, Path(inv.flags["export"]).expanduser())
+        inv.print(f"exported {count} doctor run(s) from {path} to {inv.flags['export']}")
+    if not inv.flags["matrix"]:
+        return 0
+    entries = mr.read_record(path)
+    now = mr.installed(manager)
+    answers = mr.matrix_status(entries, now)
+    if inv.flags["json"]:
+        inv.print(json.dumps({"record": str(path), "runs": len(entries), "installed": now,
+                              "configs": [a.to_dict() for a in answers]}, indent=2, default=str))
+        return 0
+    fw = now["framework"]
+    inv.print(f"doctor record: {path} ({len(entries)} run(s))")
+    inv.print(f"installed now: kunlun-infer {fw['kunlun-infer']} (hook API {fw['hook_api']}), "
+              + ", ".join(f"{name} {p['version'] or 'not loaded'}" for name, p in sorted(now["plugins"].items())))
+    inv.print("")
+    for answer in answers:
+        inv.print("\n".join(_status_lines(answer)))
+    if not answers:
+        inv.print("no doctor run recorded yet: every config is new here.")
+    inv.print("\na config not listed is new here: 'kunlun-infer doctor <overrides>' checks it and records the outcome")
+    return 0
+
+
 def run(inv: Invocation) -> int:
     manager = inv.plugin_manager(strict=False)
+    if inv.flags["matrix"] or inv.flags["export"] or inv.flags["import"]:
+        return _record(inv, manager)
     data = matrix(manager)
     if inv.flags["json"]:
         inv.print(json.dumps(data, indent=2, sort_keys=False))
@@ -74,6 +146,12 @@ COMMAND = Command(
     name="plugins",
     summary="List installed plugins: versions, hook-API ranges, capabilities and options, load errors.",
     run=run,
-    flags=(Flag("json", "print the version matrix as JSON (plugins, stack versions, load errors)"),),
+    flags=(Flag("json", "print the version matrix as JSON (plugins, stack versions, load errors)"),
+           Flag("matrix", "for the plugins installed now: did each config the doctor record knows pass here "
+                          "before, fail (at which stage), or is it new"),
+           Flag("export", "write the doctor record to FILE (JSON lines) to share it", takes_value=True),
+           Flag("import", "add the runs of FILE (written by --export) to the doctor record", takes_value=True),
+           Flag("record", "the doctor record to use (default: $KUNLUN_INFER_MATRIX_RECORD, else "
+                          "$XDG_STATE_HOME/kunlun_infer/doctor-runs.jsonl)", takes_value=True)),
     takes_overrides=False,
 )
