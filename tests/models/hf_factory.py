@@ -53,7 +53,36 @@ def tiny_hf_config(arch: str = "llama", **overrides: Any):
     scaling = fields.pop("rope_scaling", None)
     if scaling:
         rope.update(scaling)
-    return getattr(transformers, class_name)(rope_parameters=rope, **fields)
+    return getattr(transformers, class_name)(**rope_config_kwargs(rope), **fields)
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def rope_config_kwargs(rope: dict[str, Any]) -> dict[str, Any]:
+    """Rotary settings as this transformers' config classes take them.
+
+    transformers 5 takes one ``rope_parameters`` dict; transformers 4 (the
+    release line for torch < 2.6) takes ``rope_theta`` and ``rope_scaling``.
+    """
+    if _transformers_major() >= 5:
+        return {"rope_parameters": dict(rope)}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_theta": rope["rope_theta"],
+            "rope_scaling": None if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1 else scaling}
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """A transformers config's rotary settings in transformers 5's layout, whichever release made the config."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    return {"rope_theta": config.rope_theta, **scaling}
 
 
 def randomize_(model: torch.nn.Module, seed: int, std: float = 0.08) -> None:

@@ -10,7 +10,7 @@ import transformers
 
 from kunlun_infer.errors import ConfigError, ModelLoadError
 from kunlun_infer.models import SUPPORTED_ARCHITECTURES, load_model, load_model_config, resolve_dtype
-from tests.models.hf_factory import build_hf_model
+from tests.models.hf_factory import build_hf_model, rope_parameters
 from tests.models.paged import ReferenceRuntime
 
 MINIMAL = {"vocab_size": 100, "hidden_size": 256, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -34,7 +34,7 @@ def test_minimal_config_means_what_it_means_to_transformers(arch, tmp_path):
     assert ours.num_key_value_heads == hf.num_key_value_heads
     assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert ours.max_position_embeddings == hf.max_position_embeddings
-    assert ours.rope_theta == hf.rope_parameters["rope_theta"] and ours.rope_scaling is None
+    assert ours.rope_theta == rope_parameters(hf)["rope_theta"] and ours.rope_scaling is None
     assert ours.tie_word_embeddings == hf.tie_word_embeddings
     assert ours.rms_norm_eps == hf.rms_norm_eps
     assert ours.bos_token_id == hf.bos_token_id
@@ -69,7 +69,7 @@ def test_rope_settings_in_either_layout(layout, tmp_path):
     write_config(tmp_path, architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=4096,
                  **fields, **MINIMAL)
     config = load_model_config(tmp_path)
-    hf = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    hf = rope_parameters(transformers.AutoConfig.from_pretrained(tmp_path))
     assert config.rope_theta == hf["rope_theta"] == 1e6
     assert config.rope_scaling == {"rope_type": "yarn", **scaling}
     assert hf["rope_type"] == "yarn" and hf["original_max_position_embeddings"] == 1024
@@ -77,11 +77,14 @@ def test_rope_settings_in_either_layout(layout, tmp_path):
 
 
 def test_llama3_original_length_defaults_like_transformers(tmp_path):
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4 refuses a llama3 rope_scaling without original_max_position_embeddings, so it "
+                    "has no default to compare with")
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     write_config(tmp_path, architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=8192,
                  rope_scaling=scaling, **MINIMAL)
     config = load_model_config(tmp_path)
-    hf = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    hf = rope_parameters(transformers.AutoConfig.from_pretrained(tmp_path))
     assert config.rope_scaling["original_max_position_embeddings"] == hf["original_max_position_embeddings"]
     assert config.max_context_len == 8192
 

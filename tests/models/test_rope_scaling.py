@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import transformers
@@ -9,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kunlun_infer.layers import rope_cos_sin_cache
 from kunlun_infer.models import load_model
-from tests.models.hf_factory import build_hf_model
+from tests.models.hf_factory import build_hf_model, rope_config_kwargs
 from tests.models.paged import PagedKV, hf_logits, max_relative_error
 
 SCALINGS = {
@@ -25,12 +27,15 @@ SCALINGS = {
                "original_max_position_embeddings": 16},
 }
 HEAD_DIM, THETA, MAX_POS = 32, 500.0, 64
+#: how a forward call takes the KV cache: ``cache`` in transformers 5, ``past_key_values`` in 4
+CACHE_ARG = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else (
+    "past_key_values")
 
 
 def hf_rotary(scaling):
     rope = {"rope_type": "default", "rope_theta": THETA, **(scaling or {})}
     config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=HEAD_DIM,
-                                      max_position_embeddings=MAX_POS, rope_parameters=rope)
+                                      max_position_embeddings=MAX_POS, **rope_config_kwargs(rope))
     return LlamaRotaryEmbedding(config)
 
 
@@ -83,5 +88,5 @@ def test_dynamic_model_decoding_past_max_positions(tmp_path, runtime):
             assert max_relative_error(ours, out.logits[0, -1]) < 1e-4
             nxt = int(ours.argmax())
             ours = kv.step({0: [nxt]})[0][-1]
-            out = hf(torch.tensor([[nxt]]), cache=cache, use_cache=True)
+            out = hf(torch.tensor([[nxt]]), **{CACHE_ARG: cache}, use_cache=True)
             cache = out.past_key_values
