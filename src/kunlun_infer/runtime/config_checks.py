@@ -112,8 +112,11 @@ def translate_error(exc: BaseException, overrides: Sequence[str], manager: Any =
 
 
 def _first_line(exc: BaseException) -> str:
-    text = getattr(exc, "msg", None) or str(exc)
-    return str(text).strip().splitlines()[0] if str(text).strip() else type(exc).__name__
+    """The first line of ``exc``'s message, with the next one when the first only introduces it."""
+    lines = [line.strip() for line in str(getattr(exc, "msg", None) or exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _unknown_key(full_key: str, object_type: Any) -> ConfigError:
