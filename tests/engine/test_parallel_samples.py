@@ -106,3 +106,58 @@ def test_n_beyond_the_batch_is_refused_naming_the_field(tiny_model, make_llm):
     with pytest.raises(RequestError) as err:
         engine.add_request(PROMPT, SamplingParams(n=5))
     assert err.value.field == "n" and "scheduler.max_num_seqs" in str(err.value)
+
+
+def test_a_sample_stopping_at_its_first_token_leaves_the_others_correct(tiny_model, hf_model, make_llm):
+    """Sample 0 computes the prompt; when it stops at once the other samples still run on its blocks."""
+    folder = tiny_model("qwen2")
+    hf = hf_model(folder)
+    engine = make_llm(folder, cache__prefix_caching="false").engine
+    base = dict(n=4, max_tokens=6, temperature=1.5, seed=21, logprobs=0, ignore_eos=True)
+    free = {o.index: o for o in make_llm(folder).generate([PROMPT], SamplingParams(**base), use_tqdm=False)}
+    first = free[0].token_ids[0]
+    assert any(free[i].token_ids[0] != first for i in (1, 2, 3))  # some sample goes on past its first token
+    engine.add_request(PROMPT, SamplingParams(**base, stop_token_ids=[first]))
+    finals = {o.index: o for o in engine.step() if o.finished}
+    going_on = 4 - len(finals)
+    finals.update((o.index, o) for o in engine.step() if o.finished)
+    # the samples still going took sample 0's two full prompt blocks and recomputed only the 8-token tail
+    assert engine.stats()["num_computed_tokens"] == len(PROMPT) + going_on * (8 + 1)
+    while engine.has_unfinished():
+        finals.update((o.index, o) for o in engine.step() if o.finished)
+    assert finals[0].token_ids == [first] and finals[0].finish_reason == "stop"
+    for index, out in finals.items():
+        expected = free[index].token_ids
+        cut = expected.index(first) + 1 if first in expected else len(expected)
+        assert out.token_ids == expected[:cut]  # each sample draws from its own seeded stream
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + out.token_ids])).logits[0, len(PROMPT) - 1:-1]
+        reference = torch.log_softmax(logits.float(), -1)
+        for pos, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert entry[token] == pytest.approx(reference[pos, token].item(), abs=1e-4)
+    assert used_blocks(engine) == 0
+
+
+def test_a_request_waits_until_all_its_samples_fit_in_the_batch(tiny_model, hf_model, make_llm):
+    folder = tiny_model("llama")
+    engine = make_llm(folder, scheduler__max_num_seqs=4).engine
+    greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = engine.add_request([1, 2, 3], SamplingParams(n=2, **greedy))
+    second = engine.add_request(PROMPT, SamplingParams(n=3, **greedy))
+    finals, first_done_at, second_started_at = {}, None, None
+    for step in range(1, 100):
+        if not engine.has_unfinished():
+            break
+        outputs = engine.step()
+        assert engine.stats()["num_running"] <= 4
+        if second_started_at is None and any(o.request_id == second for o in outputs):
+            second_started_at = step
+            assert sorted(o.index for o in outputs if o.request_id == second) == [0, 1, 2]  # all at once
+        finals.update(((o.request_id, o.index), o) for o in outputs if o.finished)
+        if first_done_at is None and {(first, 0), (first, 1)} <= finals.keys():
+            first_done_at = step
+    # 2 + 3 samples never ran side by side: the second request started once the first had ended
+    assert second_started_at > first_done_at
+    assert {k: o.token_ids for k, o in finals.items()} == {
+        **{(first, i): hf_greedy(hf_model(folder), [1, 2, 3], 6) for i in range(2)},
+        **{(second, i): hf_greedy(hf_model(folder), PROMPT, 6) for i in range(3)}}

@@ -24,7 +24,7 @@ def step(sched):
     batch = sched.schedule()
     sampled = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                if s.num_computed_tokens + n == len(s)]
-    sched.update(batch, set(sampled))
+    sched.update(batch)
     finished = []
     for i in sampled:
         seq = batch.seqs[i]
@@ -127,3 +127,28 @@ def test_abort_of_waiting_and_running_frees_at_once():
     assert not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     assert running.finish_reason == "abort"
+
+
+def test_a_sequence_is_admitted_with_the_slots_of_its_forks_which_they_take_over():
+    sched = make_scheduler(max_num_seqs=4)
+    parent = add(sched, 0, 5)
+    parent.num_slots = 3  # two sequences will be forked off it
+    later = add(sched, 1, 3)
+    late_pair = add(sched, 2, 3)
+    late_pair.num_slots = 2
+    batch, _ = step(sched)
+    assert batch.seqs == [parent, later]  # 3 + 1 slots: the pair waits
+    children = [Sequence(10 + i, "r0", parent.token_ids[:5], parent.params) for i in range(2)]
+    for child in children:
+        sched.fork(parent, child)
+    assert parent.num_slots == 1 and all(c.num_slots == 1 for c in children)
+    assert [s.seq_id for s in sched.running] == [0, 1, 10, 11]
+    assert all(c.block_table == parent.block_table[:1] and c.num_computed_tokens == 4 for c in children)
+    batch, _ = step(sched)
+    assert late_pair not in batch.seqs  # still 4 slots taken
+    sched.finish(later, "abort")
+    batch, _ = step(sched)
+    assert late_pair not in batch.seqs  # 3 slots taken: the pair needs 2
+    sched.finish(children[0], "abort")
+    batch, _ = step(sched)
+    assert late_pair in batch.seqs

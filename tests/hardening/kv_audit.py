@@ -31,4 +31,4 @@ def assert_drained(engine: Any) -> None:
     stats = engine.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
-    assert not engine._requests and not engine._states
+    assert not engine._requests

@@ -5,9 +5,9 @@ reference count; a block nobody uses sits in the free queue. With prefix
 caching, a block that fills up with computed tokens is registered under the
 hash of its token chain (its own tokens and the hash of the block before),
 so a later sequence starting with the same tokens takes it by reference
-instead of recomputing it; the samples of an ``n > 1`` request share their
-prompt's full blocks the same way (:meth:`BlockManager.fork`). Freed blocks keep their registration while they
-wait in the free queue and are evicted least-recently-used: a block is
+instead of recomputing it; a sequence forked off another shares its full
+blocks the same way (:meth:`BlockManager.fork`). Freed blocks keep their
+registration while they wait in the free queue and are evicted least-recently-used: a block is
 forgotten only when the queue hands it out again. Hash collisions are
 guarded by comparing the block's tokens on every hit.
 """
@@ -133,7 +133,7 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give ``child`` (a fresh sample of ``parent``'s prompt) the parent's full computed blocks by reference.
+        """Give ``child`` (a fresh sequence of ``parent``'s prompt) the parent's full computed blocks by reference.
 
         The tokens of a partly filled last block are left for the child to
         recompute (fewer than ``block_size`` of them, in its next step): its

@@ -7,7 +7,8 @@ Requests are validated in :meth:`add_request` before anything is scheduled;
 a bad one is refused alone. The engine is driven from one thread. Plugins
 that implement the observability hooks hear about start, steps, finished
 requests and stop. A request for ``n`` samples gives one output per sample
-(``RequestOutput.index``); its samples share the prompt's KV blocks.
+(``RequestOutput.index``); its samples share the prompt's KV blocks (one
+:class:`SampleGroup` per request, see ``engine/sample_group.py``).
 
 A step that fails (a plugin raises in an op or a collective, the framework
 trips) ends the requests of that step with ``finish_reason="abort"`` and
@@ -33,13 +34,12 @@ from omegaconf import DictConfig
 from kunlun_infer.engine.block_manager import BlockManager
 from kunlun_infer.engine.failures import describe_failure
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, allocate_kv_caches, free_kv_caches, size_kv_cache
-from kunlun_infer.engine.model_runner import ModelRunner
+from kunlun_infer.engine.model_runner import ModelRunner, SampledToken
 from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.engine.params import SamplingParams, validate_prompt
-from kunlun_infer.engine.request_state import RequestState
+from kunlun_infer.engine.sample_group import SampleGroup
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
-from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.engine.setup import (check_engine_config, choose_dtype, choose_max_model_len,
                                        measure_activation_bytes, model_dir)
 from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
@@ -62,10 +62,8 @@ class LLMEngine:
         #: the other tensor-parallel ranks (``None`` with ``parallel.tensor_size=1``)
         self.parallel: Any = None
         self._closed = False
-        #: request id -> its unfinished samples (one unless ``n > 1``)
-        self._requests: dict[str, list[RequestState]] = {}
-        #: sequence id -> its state, for every unfinished sample
-        self._states: dict[int, RequestState] = {}
+        #: request id -> its samples, while any of them is unfinished
+        self._requests: dict[str, SampleGroup] = {}
         self._aborted_outputs: list[RequestOutput] = []
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -205,28 +203,15 @@ class LLMEngine:
         elif not isinstance(request_id, str) or not request_id or self._in_use(request_id):
             raise RequestError(f"request_id must be a non-empty string no unfinished or still unreported "
                                f"request uses, got {request_id!r}", field="request_id")
-        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, self.eos_token_ids)
-        states = [RequestState(seq, text, self.tokenizer, self._sample_generator(params, 0))]
-        for index in range(1, params.n):  # forked off ``seq`` once its prompt is computed
-            child = Sequence(next(self._seq_ids), request_id, token_ids, params, self.eos_token_ids, index)
-            seq.add_fork(child)
-            states.append(RequestState(child, text, self.tokenizer, self._sample_generator(params, index)))
-            states[-1].prompt_logprobs = states[0].prompt_logprobs  # one prompt, scored once
-        self._requests[request_id] = states
-        self._states.update((state.seq.seq_id, state) for state in states)
-        self.scheduler.add(seq)
+        group = SampleGroup(request_id, text, token_ids, params, self._seq_ids, eos_token_ids=self.eos_token_ids,
+                            decoder=self.tokenizer, device=self.device)
+        self._requests[request_id] = group
+        self.scheduler.add(group.leader)
         return request_id
 
     def _in_use(self, request_id: str) -> bool:
         """True while ``request_id`` is unfinished or its abort is still to be reported."""
         return request_id in self._requests or any(o.request_id == request_id for o in self._aborted_outputs)
-
-    def _sample_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        """Sample ``index`` of a seeded request draws from its own stream (sample 0 from ``seed`` itself)."""
-        if params.seed is None:
-            return None
-        seed = params.seed if index == 0 else (params.seed + index * 0x9E3779B97F4A7C15) % 2**63
-        return torch.Generator(device=self.device).manual_seed(seed)
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its KV blocks; its final output comes with the next step."""
@@ -234,17 +219,12 @@ class LLMEngine:
 
     def _end(self, request_id: str, error: str | None = None) -> list[RequestOutput]:
         """Abort every sample of ``request_id`` (with ``error`` set when a failure ended it); their outputs."""
-        states = self._requests.pop(request_id, None)
-        if states is None:
+        group = self._requests.pop(request_id, None)
+        if group is None:
             return []
-        now = time.monotonic()
-        ended = []
-        for state in states:
-            del self._states[state.seq.seq_id]
-            self.scheduler.finish(state.seq, "abort")
-            state.error = error
-            ended.append(state.output(now))
-            self._finished(ended[-1], self._aborted_outputs)
+        ended = group.abort(self.scheduler, time.monotonic(), error)
+        for output in ended:
+            self._finished(output, self._aborted_outputs)
         self._num_finished += 1
         return ended
 
@@ -280,51 +260,39 @@ class LLMEngine:
         return outputs
 
     def _run(self, batch: ScheduledBatch, started: float, outputs: list[RequestOutput]) -> None:
-        states = [self._states[seq.seq_id] for seq in batch.seqs]
-        for state in states:
-            state.mark_scheduled(started)
-        # samples forked off a sequence this step, should its prompt be complete
-        forks = {row: [self._states[child.seq_id] for child in seq.forks]
-                 for row, seq in enumerate(batch.seqs) if seq.forks}
+        co_samples = {}
+        for seq in batch.seqs:
+            group = self._requests[seq.request_id]
+            group.mark_scheduled(started)
+            if drawing := group.co_samples(seq):
+                co_samples[seq.seq_id] = drawing
         try:
-            result = self.runner.execute(batch, [s.generator for s in states],
-                                         {row: [c.generator for c in children] for row, children in forks.items()})
+            result = self.runner.execute(batch, co_samples)
             now = time.monotonic()
             self._num_computed_tokens += batch.num_tokens
-            self.scheduler.update(batch, set(result.tokens))
-            for row, (first, entries) in result.prompt_logprobs.items():
-                states[row].add_prompt_logprobs(first, entries)
-            for row, token in result.tokens.items():
-                self._record(states[row], token, result.logprobs.get(row), now, outputs)
-                for child, child_token, logprobs in zip(forks.get(row, ()), result.fork_tokens.get(row, ()),
-                                                        result.fork_logprobs.get(row, ())):
-                    child.mark_scheduled(started)
-                    self._record(child, child_token, logprobs, now, outputs)
+            self.scheduler.update(batch)
+            for scored in result.prompt_logprobs:
+                self._requests[scored.seq.request_id].add_prompt_logprobs(scored.first, scored.logprobs)
+            for sampled in result.sampled:
+                self._record(sampled, now, outputs)
         except WorkerError as exc:  # a tensor-parallel rank is gone: no later step can run either
-            error = self._step_failed(states, exc)
+            error = self._step_failed(batch, exc)
             if error.shut_down:
                 raise error from exc
             raise
         except Exception as exc:
-            raise self._step_failed(states, exc) from exc
+            raise self._step_failed(batch, exc) from exc
 
-    def _record(self, state: RequestState, token: int, logprobs: dict[int, float] | None, now: float,
-                outputs: list[RequestOutput]) -> None:
-        """Add a token sampled for ``state.seq``, end the sequence if it stops there, and add its output."""
-        seq = state.seq
+    def _record(self, sampled: SampledToken, now: float, outputs: list[RequestOutput]) -> None:
+        """Hand a drawn token to its request's samples and add the sample's new output."""
+        group = self._requests[sampled.seq.request_id]
         self._num_generated_tokens += 1
-        reason = state.add_token(token, logprobs, now)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        output = state.output(now)
-        if not seq.is_finished:
+        output = group.add_token(sampled.seq, sampled.token_id, sampled.logprobs, now, self.scheduler)
+        if not output.finished:
             outputs.append(output)
             return
-        del self._states[seq.seq_id]
-        samples = self._requests[seq.request_id]
-        samples.remove(state)
-        if not samples:
-            del self._requests[seq.request_id]
+        if group.finished:
+            del self._requests[group.request_id]
             self._num_finished += 1
         self._finished(output, outputs)
 
@@ -334,12 +302,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ failed steps
 
-    def _step_failed(self, states: list[RequestState], exc: Exception) -> EngineStepError:
+    def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> EngineStepError:
         """End the failed step's requests with the error, then recover or shut down (``scheduler.on_step_error``)."""
         step = self._num_steps + 1
         cause, plugin, hook, layer = describe_failure(exc)
         error = f"step {step} failed: {cause}"
-        request_ids = list(dict.fromkeys(state.request_id for state in states))
+        request_ids = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
         outputs = [o for request_id in request_ids for o in self._end(request_id, error)]
         shut_down = self.on_step_error == "shutdown"
         if shut_down:

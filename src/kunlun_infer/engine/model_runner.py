@@ -8,18 +8,21 @@ this step (a finished prompt, a decode) send their last hidden state through
 the LM head and the sampler; a prompt chunk in the middle just fills the
 cache. A request asking for ``prompt_logprobs`` also sends the rows that
 score its prompt through the LM head, chunk by chunk (see
-``engine/prompt_logprobs.py``). A finished prompt with pending ``forks`` (an ``n > 1`` request) has
-its logits row sampled once more for each fork.
+``engine/prompt_logprobs.py``). A sampled row can be drawn from by more
+sequences than its own (``co_samples``: the samples of an ``n > 1`` request
+drawing their first token from its prompt, see ``engine/sample_group.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 
 from kunlun_infer.engine.kv_cache import KVCaches
-from kunlun_infer.engine.prompt_logprobs import PromptSpan, gather_prompt_logprobs, prompt_spans, span_indices
+from kunlun_infer.engine.prompt_logprobs import (PromptSpan, ScoredPrompt, gather_prompt_logprobs, prompt_spans,
+                                                span_indices)
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch
 from kunlun_infer.engine.sequence import Sequence
@@ -39,16 +42,21 @@ class StepInputs:
 
 
 @dataclasses.dataclass
-class StepResult:
-    """Per batch row that was sampled: the new token and, when asked, its logprobs."""
+class SampledToken:
+    """A token drawn for ``seq`` in this step and, when it asked for them, the logprobs of that draw."""
 
-    tokens: dict[int, int]
-    logprobs: dict[int, dict[int, float] | None]
-    #: for a sampled row with pending forks: one first token (and logprobs) per fork, in order
-    fork_tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    fork_logprobs: dict[int, list[dict[int, float] | None]] = dataclasses.field(default_factory=dict)
-    #: per batch row scoring its prompt: (first prompt position scored, one logprobs dict per token)
-    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = dataclasses.field(default_factory=dict)
+    seq: Sequence
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What a step produced for each sequence: the tokens drawn, and the prompt logprobs scored."""
+
+    #: in batch order, a sequence's co-samples right after it
+    sampled: list[SampledToken] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[ScoredPrompt] = dataclasses.field(default_factory=list)
 
 
 def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
@@ -102,44 +110,34 @@ class ModelRunner:
         self.kv_caches: KVCaches = []
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, generators: list[torch.Generator | None],
-                fork_generators: dict[int, list[torch.Generator | None]] | None = None) -> StepResult:
+    def execute(self, batch: ScheduledBatch, co_samples: Mapping[int, list[Sequence]] | None = None) -> StepResult:
         """Forward the batch and sample every sequence whose known tokens are now all computed.
 
-        ``generators[i]`` is the seeded generator of ``batch.seqs[i]`` (or
-        ``None``); ``fork_generators[i]`` those of its pending forks.
+        ``co_samples[seq_id]``: sequences that draw a token from the logits of
+        the sequence with that id, when it is sampled, besides itself. Each
+        draw uses the drawing sequence's params, history and ``generator``.
         """
         inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device)
         logits = self.compute(inputs)
         if logits is None:
-            return StepResult({}, {})
+            return StepResult()
         rows = inputs.sample_rows
-        prompt = gather_prompt_logprobs(logits[len(rows):], batch.seqs, inputs.prompt_spans)
-        logits = logits[:len(rows)]
+        result = StepResult(prompt_logprobs=gather_prompt_logprobs(logits[len(rows):], batch.seqs,
+                                                                   inputs.prompt_spans))
         if not rows:
-            return StepResult({}, {}, prompt_logprobs=prompt)
-        # one sampler row per sequence to sample for: each sampled sequence, then its pending forks
+            return result
+        draws: list[Sequence] = []
         logits_rows: list[int] = []
-        targets: list[Sequence] = []
-        target_generators: list[torch.Generator | None] = []
         for j, i in enumerate(rows):
             seq = batch.seqs[i]
-            logits_rows += [j] * (1 + len(seq.forks))
-            targets += [seq, *seq.forks]
-            fork_gens = fork_generators.get(i) if fork_generators else None
-            target_generators += [generators[i], *(fork_gens or [None] * len(seq.forks))]
-        if len(targets) > len(rows):
+            drawing = [seq, *(co_samples or {}).get(seq.seq_id, ())]
+            draws += drawing
+            logits_rows += [j] * len(drawing)
+        logits = logits[:len(rows)]
+        if len(draws) > len(rows):
             logits = logits.index_select(0, torch.tensor(logits_rows, device=logits.device))
-        out = self.sampler(logits, [s.params for s in targets], target_generators, targets)
-        result = StepResult({}, {}, prompt_logprobs=prompt)
-        k = 0
-        for i in rows:
-            num_forks = len(batch.seqs[i].forks)
-            result.tokens[i], result.logprobs[i] = out.token_ids[k], out.logprobs[k]
-            if num_forks:
-                result.fork_tokens[i] = out.token_ids[k + 1:k + 1 + num_forks]
-                result.fork_logprobs[i] = out.logprobs[k + 1:k + 1 + num_forks]
-            k += 1 + num_forks
+        out = self.sampler(logits, [s.params for s in draws], [s.generator for s in draws], draws)
+        result.sampled = [SampledToken(*draw) for draw in zip(draws, out.token_ids, out.logprobs)]
         return result
 
     def compute(self, inputs: StepInputs) -> torch.Tensor | None:

@@ -54,15 +54,23 @@ def span_indices(spans: list[PromptSpan], query_start_loc: torch.Tensor) -> torc
     return offsets.index_select(0, span_of) + torch.arange(total) - first_of_span.index_select(0, span_of)
 
 
-def gather_prompt_logprobs(logits: torch.Tensor, seqs: Seq[Sequence],
-                           spans: list[PromptSpan]) -> dict[int, tuple[int, list[dict[int, float]]]]:
-    """Batch row -> (first position, one ``{token_id: logprob}`` per scored prompt token).
+@dataclasses.dataclass
+class ScoredPrompt:
+    """``logprobs[k]`` is ``{token_id: logprob}`` for the prompt token of ``seq`` at position ``first + k``."""
+
+    seq: Sequence
+    first: int
+    logprobs: list[dict[int, float]]
+
+
+def gather_prompt_logprobs(logits: torch.Tensor, seqs: Seq[Sequence], spans: list[PromptSpan]) -> list[ScoredPrompt]:
+    """The prompt tokens each span scored, with their logprobs, span by span.
 
     ``logits`` holds the rows of ``spans`` end to end. Each dict has the
     actual prompt token and the row's ``prompt_logprobs`` most likely ones.
     """
     if not spans:
-        return {}
+        return []
     targets = [t for s in spans for t in seqs[s.row].token_ids[s.first:s.first + s.count]]
     target_ids = torch.tensor(targets, dtype=torch.int64, device=logits.device)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -71,7 +79,7 @@ def gather_prompt_logprobs(logits: torch.Tensor, seqs: Seq[Sequence],
     width = max(widths)
     top_values, top_ids = logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0])
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    result = {}
+    result = []
     k = 0
     for span, n in zip(spans, widths):
         entries = []
@@ -79,6 +87,6 @@ def gather_prompt_logprobs(logits: torch.Tensor, seqs: Seq[Sequence],
             entry = dict(zip(top_ids[j][:n], top_values[j][:n]))
             entry[targets[j]] = chosen[j]
             entries.append(entry)
-        result[span.row] = (span.first, entries)
+        result.append(ScoredPrompt(seqs[span.row], span.first, entries))
         k += span.count
     return result

@@ -1,15 +1,14 @@
-"""The engine's record of one request: its sequence, text, logprobs, timings and generator.
+"""The engine's record of one sample of a request: its sequence, text, logprobs and timings.
 
 The scheduler only sees the :class:`Sequence`; everything a user gets back
 (streamed text, logprobs, metrics) is kept here and turned into a fresh
-:class:`RequestOutput` snapshot whenever the request progresses.
+:class:`RequestOutput` snapshot whenever the sample progresses. The samples
+of one request are kept together by ``engine/sample_group.py``.
 """
 
 from __future__ import annotations
 
 import time
-
-import torch
 
 from kunlun_infer.engine.detokenizer import Decoder, IncrementalDetokenizer
 from kunlun_infer.engine.outputs import FinishReason, RequestMetrics, RequestOutput
@@ -18,40 +17,28 @@ from kunlun_infer.engine.stopping import stop_reason
 
 
 class RequestState:
-    """Everything the engine tracks about one request besides its place in the queues."""
+    """Everything the engine tracks about one sample besides its place in the queues.
+
+    ``prompt_logprobs`` is the request's list (shared by its samples), or
+    ``None`` when not asked for.
+    """
 
     def __init__(self, seq: Sequence, prompt: str | None, decoder: Decoder | None,
-                 generator: torch.Generator | None) -> None:
+                 prompt_logprobs: list[dict[int, float] | None] | None = None) -> None:
         self.seq = seq
         self.prompt = prompt
         self.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
-        self.generator = generator
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.detokenizer = (IncrementalDetokenizer(decoder, seq.token_ids, tuple(seq.params.stop))
                             if decoder is not None else None)
         self.logprobs: list[dict[int, float]] | None = [] if seq.params.logprobs is not None else None
-        #: filled position by position as prompt chunks are computed; the samples of a request share it
-        self.prompt_logprobs: list[dict[int, float] | None] | None = (
-            [None] * seq.num_prompt_tokens if seq.params.prompt_logprobs is not None else None)
+        self.prompt_logprobs = prompt_logprobs
         #: why a failed step ended this request (``None`` otherwise)
         self.error: str | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.seq.request_id
 
     def mark_scheduled(self, now: float) -> None:
         if self.metrics.first_scheduled_time is None:
             self.metrics.first_scheduled_time = now
-
-    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
-        """Record the logprobs of prompt tokens ``first ..``; positions already known (a recompute) stay."""
-        known = self.prompt_logprobs
-        if known is None:
-            return
-        for position, entry in enumerate(entries, first):
-            if known[position] is None:
-                known[position] = entry
 
     def add_token(self, token_id: int, logprobs: dict[int, float] | None, now: float) -> FinishReason | None:
         """Append a token sampled for the sequence; why it ends the sequence (``None``: it goes on)."""

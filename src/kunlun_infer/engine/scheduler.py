@@ -10,9 +10,11 @@ block, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of ``waiting``, to be recomputed when it resumes
 (its cached prefix blocks often make that cheap).
 
-A request for ``n`` samples is admitted with room for all of them; when its
-prompt's logits are sampled (``n`` tokens from them), :meth:`update` forks
-the other samples off it (see :meth:`BlockManager.fork`) into ``running``.
+A sequence is admitted only with room for all the batch slots it holds
+(``Sequence.num_slots``): those of the sequences to be forked off it later
+(the samples of an ``n > 1`` request, see ``engine/sample_group.py``). A
+:meth:`Scheduler.fork` puts such a sequence into ``running`` on its
+parent's computed blocks, in one of the parent's slots.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if self._num_slots_taken() + 1 + len(seq.forks) > self.max_num_seqs:
+            if self._num_slots_taken() + seq.num_slots > self.max_num_seqs:
                 break
             prefix = bm.match_prefix(seq)
             num_new = len(seq) - len(prefix) * bm.block_size
@@ -120,8 +122,8 @@ class Scheduler:
             budget -= num_new
 
     def _num_slots_taken(self) -> int:
-        """Running sequences plus the samples still to be forked off them."""
-        return len(self.running) + sum(len(seq.forks) for seq in self.running)
+        """Running sequences plus the sequences still to be forked off them."""
+        return sum(seq.num_slots for seq in self.running)
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
@@ -141,27 +143,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the model ran
 
-    def update(self, batch: ScheduledBatch, sampled_rows: set[int] = frozenset()) -> None:
-        """Record the step's computed tokens; ``sampled_rows``: the batch rows whose logits were sampled.
-
-        A sampled sequence with pending ``forks`` has them forked off it here
-        (they join ``running``). The sampled tokens themselves are appended
-        by the engine, which also decides whether they end a sequence.
-        """
-        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+    def update(self, batch: ScheduledBatch) -> None:
+        """Record the step's computed tokens (the sampled ones are appended, and judged, by the engine)."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += num_new
             self.block_manager.commit(seq)
-            if i in sampled_rows:
-                for child in seq.forks:
-                    self._fork(seq, child)
-                seq.forks = []
 
-    def _fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run ``child`` (a fresh sequence of ``parent``'s prompt) from ``parent``'s full computed blocks.
+
+        It takes one of the slots ``parent`` held for it (``num_slots``).
+        """
         self.block_manager.fork(parent, child)
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
+        parent.num_slots -= 1
         bisect.insort(self.running, child, key=lambda s: s.seq_id)
 
     def finish(self, seq: Sequence, reason: str) -> None:

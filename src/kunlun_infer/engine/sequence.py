@@ -6,14 +6,18 @@ that hold them. Prefill, a prefill chunk, a decode step and a recompute after
 preemption are all the same thing here: compute the tokens from
 ``num_computed_tokens`` on; when that reaches the end, sample the next one.
 
-A request for ``n`` samples is one sequence whose ``forks`` (the other
-``n - 1`` samples, ``PENDING_FORK``) wait for its prompt: when the prompt's
-logits are sampled, the scheduler forks them off it, sharing its KV blocks.
+The samples of an ``n > 1`` request are sequences of their own; how they
+share the prompt is ``engine/sample_group.py``'s business. Here a sequence
+only says how many batch slots it holds (``num_slots``: its own, plus one
+for each sequence still to be forked off it) and which random stream it
+draws from (``generator``).
 """
 
 from __future__ import annotations
 
 import enum
+
+import torch
 
 from kunlun_infer.engine.params import SamplingParams
 
@@ -24,7 +28,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-    #: a sample of an ``n > 1`` request waiting for its parent's prompt to be computed
+    #: a sample of an ``n > 1`` request waiting to be forked off the sample computing the prompt
     PENDING_FORK = "pending_fork"
 
 
@@ -37,13 +41,16 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = (), index: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...] = (), *, index: int = 0,
+                 generator: torch.Generator | None = None) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         #: which of the request's ``n`` samples this is
         self.index = index
-        #: samples to fork off this sequence once its prompt is computed (see module docstring)
-        self.forks: list[Sequence] = []
+        #: the request's own random stream for this sample (``None``: the engine's shared one)
+        self.generator = generator
+        #: batch slots held in ``scheduler.max_num_seqs``: this sequence's, plus those to be forked off it
+        self.num_slots = 1
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -82,11 +89,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def add_fork(self, child: Sequence) -> None:
-        """Make ``child`` (same prompt and params) wait to be forked off this sequence."""
-        child.status = SequenceStatus.PENDING_FORK
-        self.forks.append(child)
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token (whether it ends the sequence is decided in ``engine/stopping.py``)."""

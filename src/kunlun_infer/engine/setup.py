@@ -122,7 +122,7 @@ def warm_up(runner: Any, memory: MemoryAllocator, layout: KVLayout, *, num_token
     scratch = allocate_kv_caches(memory, layout, next_block)
     kept, runner.kv_caches = runner.kv_caches, scratch
     try:
-        runner.execute(ScheduledBatch(seqs, lengths, num_prefill_tokens=num_tokens), [None] * len(seqs))
+        runner.execute(ScheduledBatch(seqs, lengths, num_prefill_tokens=num_tokens))
     finally:
         runner.kv_caches = kept
         free_kv_caches(memory, scratch)
