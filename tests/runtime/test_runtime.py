@@ -179,7 +179,7 @@ def test_comm_timeout_has_one_default_wherever_a_comm_is_joined(manager, monkeyp
     from kunlun_infer.plugins.cpu_comm import GlooComm, SingleComm
     from kunlun_infer.plugins.process_group import ProcessGroupComm
     from kunlun_infer_cuda.comm import DistComm
-    from kunlun_infer_kunlun.capabilities import BkclComm
+    from kunlun_infer_kunlun.comm import BkclComm
 
     composed = compose_config([], plugin_manager=manager).comm.timeout_s
     assert compose_config(["comm=gloo"], plugin_manager=manager).comm.timeout_s == composed
