@@ -118,6 +118,31 @@ class ServerConfig:
 
 
 @dataclasses.dataclass
+class PlatformConfig:
+    """A ``platform`` option: one word for a whole stack, the option it picks in each capability group.
+
+    ``platform=simchip`` composes ``device``, ``memory``, ``ops``, ``comm`` and
+    ``streams`` as the option says; a capability named after it on the command
+    line still wins (``platform=kunlun ops=torch``). Plugins contribute their
+    own through ``kunlun_infer_config_options`` with an instance of this class.
+    """
+
+    name: str = MISSING
+    device: str = MISSING
+    memory: str = MISSING
+    ops: str = MISSING
+    comm: str = MISSING
+    streams: str = MISSING
+
+
+@dataclasses.dataclass
+class PlatformChoice:
+    """What the composed config keeps of the platform: its name (the capability groups say what runs)."""
+
+    name: Optional[str] = None
+
+
+@dataclasses.dataclass
 class KunlunConfig:
     """The whole composed config (root schema)."""
 
@@ -131,10 +156,12 @@ class KunlunConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    platform: PlatformChoice = dataclasses.field(default_factory=PlatformChoice)
 
 
-#: the schema of each group, for plugin options to subclass
-GROUP_SCHEMAS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(KunlunConfig)}  # type: ignore[misc]
+#: the schema of each group, for plugin options to subclass (a platform option lists its five choices)
+GROUP_SCHEMAS: dict[str, type] = {**{f.name: f.default_factory for f in dataclasses.fields(KunlunConfig)},  # type: ignore[misc]
+                                  "platform": PlatformConfig}
 
 
 def group_schema(group: str) -> Any:

@@ -24,7 +24,8 @@ from kunlun_infer.errors import ConfigError
 from kunlun_infer.runtime.config_checks import check_composed, refuse_target_overrides, translate_error
 from kunlun_infer.runtime.log import runtime_log
 from kunlun_infer.hookspecs import CAPABILITIES, ConfigOption
-from kunlun_infer.runtime.options import CONF_PACKAGE, option_node, packaged_options
+from kunlun_infer.runtime.options import (CONF_PACKAGE, PLATFORM_GROUP, PLATFORM_PACKAGE, option_node,
+                                          packaged_options, platform_node)
 
 #: name under which the root schema is stored; first entry of ``conf/config.yaml``'s defaults
 SCHEMA_NAME = "_kunlun_schema"
@@ -51,13 +52,14 @@ class _StoredEntries:
         self._saved: list[tuple[dict[str, Any], str, Any]] = []
         self._created_groups: list[str] = []
 
-    def store(self, *, name: str, node: Any, group: str | None = None, provider: str = "kunlun_infer") -> None:
+    def store(self, *, name: str, node: Any, group: str | None = None, provider: str = "kunlun_infer",
+              package: str | None = None) -> None:
         repo = ConfigStore.instance().repo
         if group is not None and group not in repo:
             self._created_groups.append(group)
         key = f"{name}.yaml"
         previous = (repo if group is None else repo.get(group, {})).get(key)
-        ConfigStore.instance().store(name=name, node=node, group=group, provider=provider)
+        ConfigStore.instance().store(name=name, node=node, group=group, provider=provider, package=package)
         self._saved.append((repo if group is None else repo[group], key, previous))
 
     def restore(self) -> None:
@@ -92,8 +94,10 @@ def compose_config(overrides: Sequence[str] = (), *, plugin_manager: Any = None)
         try:
             stored.store(name=SCHEMA_NAME, node=KunlunConfig)
             for plugin, option in _options(manager):
-                stored.store(group=option.group, name=option.name, node=option_node(option),
-                             provider=f"kunlun_infer plugin {plugin}")
+                platform = option.group == PLATFORM_GROUP
+                stored.store(group=option.group, name=option.name,
+                             node=platform_node(option) if platform else option_node(option),
+                             package=PLATFORM_PACKAGE if platform else None, provider=f"kunlun_infer plugin {plugin}")
             cfg = _loader().load_configuration(config_name="config", overrides=overrides, run_mode=_run_mode())
         except (HydraException, OmegaConfBaseException) as exc:
             raise translate_error(exc, overrides, manager) from exc

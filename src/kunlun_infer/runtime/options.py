@@ -28,12 +28,28 @@ def packaged_options(group: str) -> list[str]:
     return sorted(entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
 
 
+#: the group whose options choose one option in each capability group
+PLATFORM_GROUP = "platform"
+#: Hydra package of a platform option: it sets the capability groups, at the root of the config
+PLATFORM_PACKAGE = "_global_"
+
+
 def option_node(option: ConfigOption) -> DictConfig:
     """The typed OmegaConf node of a (validated) plugin option."""
     node = OmegaConf.structured(option.node)
-    if option.group in CAPABILITIES and OmegaConf.is_missing(node, "name"):
+    if (option.group in CAPABILITIES or option.group == PLATFORM_GROUP) and OmegaConf.is_missing(node, "name"):
         node.name = option.name
     return node
+
+
+def platform_node(option: ConfigOption) -> DictConfig:
+    """What Hydra stores for a platform option: a defaults list choosing each capability, and the platform's name.
+
+    Stored under :data:`PLATFORM_PACKAGE`, exactly like ``conf/platform/cpu.yaml``.
+    """
+    node = option_node(option)
+    choices = [{f"/{capability}": str(node[capability])} for capability in CAPABILITIES]
+    return OmegaConf.create({"defaults": [*choices, "_self_"], PLATFORM_GROUP: {"name": option.name}})
 
 
 def validate_config_option(option: Any, *, plugin: str, taken: set[tuple[str, str]]) -> ConfigOption:
@@ -61,9 +77,13 @@ def validate_config_option(option: Any, *, plugin: str, taken: set[tuple[str, st
         node = option_node(option)
     except Exception as exc:
         raise refuse(f"{where}: {type(exc).__name__}: {exc}") from exc
-    if option.group in CAPABILITIES and node.name != option.name:
+    if (option.group in CAPABILITIES or option.group == PLATFORM_GROUP) and node.name != option.name:
         raise refuse(f"{where}: its 'name' field is '{node.name}' but must equal the option name "
                      f"'{option.name}' (the registered factory name)")
+    if option.group == PLATFORM_GROUP:
+        unset = [c for c in CAPABILITIES if OmegaConf.is_missing(node, c) or not str(node[c]).strip()]
+        if unset:
+            raise refuse(f"{where}: a platform names an option for every capability; missing: {', '.join(unset)}")
     if "_target_" in node:
         raise refuse(f"{where}: configs never carry '_target_'; implementations are found by registered name")
     return option

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional
 
-from kunlun_infer.config import CommConfig, DeviceConfig, MemoryConfig, OpsConfig, StreamsConfig
+from kunlun_infer.config import CommConfig, DeviceConfig, MemoryConfig, OpsConfig, PlatformConfig, StreamsConfig
 from kunlun_infer.hookspecs import ConfigOption
 
 DEVICE = "kunlun"
@@ -70,4 +70,7 @@ def config_options() -> list[ConfigOption]:
         ConfigOption(group="ops", name=DEVICE, node=OpsConfig(name=DEVICE)),
         ConfigOption(group="streams", name=DEVICE, node=StreamsConfig(name=DEVICE)),
         ConfigOption(group="comm", name=COMM, node=BkclCommConfig),
+        ConfigOption(group="platform", name=DEVICE,
+                     node=PlatformConfig(name=DEVICE, device=DEVICE, memory=DEVICE, ops=DEVICE, comm=COMM,
+                                         streams=DEVICE)),
     ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from kunlun_infer.config import DeviceConfig, MemoryConfig, OpsConfig, StreamsConfig
+from kunlun_infer.config import DeviceConfig, MemoryConfig, OpsConfig, PlatformConfig, StreamsConfig
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.hookspecs import ConfigOption
 
@@ -63,4 +63,8 @@ def config_options() -> list[ConfigOption]:
         ConfigOption(group="memory", name=CHIP_NAME, node=MemoryConfig(name=CHIP_NAME)),
         ConfigOption(group="ops", name=CHIP_NAME, node=OpsConfig(name=CHIP_NAME)),
         ConfigOption(group="streams", name=CHIP_NAME, node=StreamsConfig(name=CHIP_NAME)),
+        # platform=simchip: the four above; collectives through torch.distributed (single, gloo with TP)
+        ConfigOption(group="platform", name=CHIP_NAME,
+                     node=PlatformConfig(name=CHIP_NAME, device=CHIP_NAME, memory=CHIP_NAME, ops=CHIP_NAME,
+                                         comm="single", streams=CHIP_NAME)),
     ]
