@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from kunlun_infer.cli import main
+from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
 from tests.runtime.plugin_sources import BROKEN_IMPORT, COUNTING_MEMORY
 
 
@@ -23,7 +24,7 @@ def test_json_lists_the_five_capabilities_with_versions(only_plugins):
     code, out, _ = run_cli("plugins", "--json")
     assert code == 0
     data = json.loads(out)
-    assert data["framework"]["hook_api"] == "1.0"
+    assert data["framework"]["hook_api"] == HOOK_API_VERSION_STR
     assert set(data["capabilities"]) == {"device", "memory", "ops", "comm", "streams"}
     assert data["capabilities"]["memory"] == {"caching": "cpu-memory", "simple": "cpu-memory"}
     for row in data["plugins"]:

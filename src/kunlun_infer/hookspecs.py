@@ -44,6 +44,8 @@ Errors
 
 Changes
     1.0 — first version of the contract.
+    1.1 — the ``platform`` config group: :func:`kunlun_infer_config_options`
+    may contribute ``ConfigOption("platform", name, PlatformConfig(...))``.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 #: pluggy project name and entry-point group
 PROJECT_NAME = "kunlun_infer"
 #: version of this contract, ``(major, minor)``
-HOOK_API_VERSION: tuple[int, int] = (1, 0)
+HOOK_API_VERSION: tuple[int, int] = (1, 1)
 HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -100,6 +102,12 @@ class ConfigOption:
     subclasses the group's schema from :mod:`kunlun_infer.config` (e.g.
     ``DeviceConfig``) so its keys are type-checked; its ``name`` field must
     equal the capability factory's registered name.
+
+    Since 1.1 the ``platform`` group takes options too: a
+    :class:`kunlun_infer.config.PlatformConfig` naming the option chosen in
+    each of the five capability groups, so that ``platform=<name>`` composes
+    a plugin's whole stack in one word (a capability named on the command
+    line still wins). Options of other plugins may be named in it.
     """
 
     group: str

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
 from kunlun_infer import ConfigError, DeviceOutOfMemoryError, PluginError, PluginVersionError, compose_config
 from kunlun_infer.runtime import PluginManager, Runtime
 from tests.runtime.plugin_sources import BROKEN_IMPORT, COUNTING_MEMORY, DUPLICATE_CACHING, FAILING_HOOK, FUTURE_API
@@ -49,7 +50,7 @@ def test_plugin_with_incompatible_api_is_refused_naming_versions(make_distributi
     (error,) = manager.load_errors
     assert isinstance(error.error, PluginVersionError)
     message = error.message
-    for part in ("'future'", "kunlun-future 7.0.0", ">=2.0,<3", "requires hook API 1.0"):
+    for part in ("'future'", "kunlun-future 7.0.0", ">=2.0,<3", f"requires hook API {HOOK_API_VERSION_STR}"):
         assert part in message, message
 
 

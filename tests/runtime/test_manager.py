@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from kunlun_infer import ConfigError, PluginError, PluginVersionError
 from kunlun_infer.config import DeviceConfig, SchedulerConfig
-from kunlun_infer.hookspecs import CAPABILITIES, ConfigOption, PluginInfo, hookimpl
+from kunlun_infer.hookspecs import CAPABILITIES, HOOK_API_VERSION_STR, ConfigOption, PluginInfo, hookimpl
 from kunlun_infer.runtime import PluginManager
 from kunlun_infer.runtime.versions import api_range_admits, parse_api_range
 from tests.runtime.plugin_sources import COUNTING_MEMORY
@@ -58,7 +59,8 @@ def test_plugin_without_info_is_refused(manager):
 
 
 def test_version_mismatch_via_register(manager):
-    with pytest.raises(PluginVersionError, match=r"plugin 'old'.*supports hook API '<1'.*requires hook API 1\.0"):
+    expected = rf"plugin 'old'.*supports hook API '<1'.*requires hook API {re.escape(HOOK_API_VERSION_STR)}"
+    with pytest.raises(PluginVersionError, match=expected):
         manager.register(_plugin(PluginInfo(name="old", version="0.1", api="<1")))
     assert "old" not in manager.plugins
 

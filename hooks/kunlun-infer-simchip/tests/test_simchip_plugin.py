@@ -21,7 +21,7 @@ def test_entry_point_registers_simchip_for_four_capabilities(manager):
     assert plugin.source == "entry point" and plugin.distribution == "kunlun-infer-simchip"
     for capability in ("device", "memory", "ops", "streams"):
         assert "simchip" in manager.options(capability)
-    assert sorted(o.group for o in plugin.config_options) == ["device", "memory", "ops", "streams"]
+    assert sorted(o.group for o in plugin.config_options) == ["device", "memory", "ops", "platform", "streams"]
 
 
 def test_config_options_compose_with_the_default_capacity(manager):

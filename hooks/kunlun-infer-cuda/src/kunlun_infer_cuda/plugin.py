@@ -54,7 +54,7 @@ def kunlun_infer_plugin_info() -> PluginInfo:
     return PluginInfo(
         name="cuda",
         version=kunlun_infer_cuda.__version__,
-        api=">=1.0,<2",
+        api=">=1.1,<2",  # its platform option needs the platform group (1.1)
         capabilities=("device", "memory", "ops", "comm", "streams"),
         stack={"torch": torch.__version__, "cuda runtime": str(torch.version.cuda or "none")},
         description="NVIDIA GPUs: torch.cuda device, caching allocator, CUDA streams, NCCL, SDPA attention",

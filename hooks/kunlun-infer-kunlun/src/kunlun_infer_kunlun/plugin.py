@@ -63,7 +63,7 @@ def kunlun_infer_plugin_info() -> PluginInfo:
     return PluginInfo(
         name="kunlun",
         version=kunlun_infer_kunlun.__version__,
-        api=">=1.0,<2",
+        api=">=1.1,<2",  # its platform option needs the platform group (1.1)
         capabilities=("device", "memory", "ops", "comm", "streams"),
         stack=stack,
         description="Kunlun XPU (P800) via the xpytorch build, BKCL/XCCL collectives; not yet run on a Kunlun card",
