@@ -107,3 +107,17 @@ def test_models_health_and_metrics(client, server):
 
 def test_server_binds_loopback_by_default():
     assert ki.compose_config([]).server.host == "127.0.0.1"
+
+
+def test_each_prompt_is_tokenized_once_on_its_way_to_the_engine(client, server, monkeypatch):
+    tokenizer = server.engine.tokenizer
+    encode, encoded = tokenizer.encode, []
+
+    def counted(text, *args, **kwargs):
+        encoded.append(text)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    resp = client.completions.create(model=server.model_name, prompt=PROMPTS[:2], n=2, max_tokens=3)
+    assert len(resp.choices) == 4 and all(c.finish_reason for c in resp.choices)
+    assert encoded == PROMPTS[:2]

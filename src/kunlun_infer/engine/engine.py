@@ -3,8 +3,9 @@
 Each :meth:`LLMEngine.step` asks the scheduler for a batch, runs it through
 the model runner, records the sampled tokens and returns one
 :class:`RequestOutput` per request that progressed (aborted ones included).
-Requests are validated in :meth:`add_request` before anything is scheduled;
-a bad one is refused alone. The engine is driven from one thread. Plugins
+Requests are tokenized and checked once (``engine/intake.py``), in
+:meth:`add_request` or ahead of it by :meth:`prepare_request`, before
+anything is scheduled; a bad one is refused alone. The engine is driven from one thread. Plugins
 that implement the observability hooks hear about start, steps, finished
 requests and stop. A request for ``n`` samples gives one output per sample
 (``RequestOutput.index``); its samples share the prompt's KV blocks (one
@@ -22,7 +23,6 @@ never stops a step.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -33,10 +33,11 @@ from omegaconf import DictConfig
 
 from kunlun_infer.engine.block_manager import BlockManager
 from kunlun_infer.engine.failures import describe_failure
+from kunlun_infer.engine.intake import Prompt, PreparedRequest, RequestIntake
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, allocate_kv_caches, free_kv_caches, size_kv_cache
 from kunlun_infer.engine.model_runner import ModelRunner, SampledToken
 from kunlun_infer.engine.outputs import RequestOutput
-from kunlun_infer.engine.params import SamplingParams, validate_prompt
+from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sample_group import SampleGroup
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
@@ -45,9 +46,6 @@ from kunlun_infer.engine.setup import (check_engine_config, choose_dtype, choose
 from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
 
 log = logging.getLogger("kunlun_infer.framework")
-
-Prompt = str | list[int]
-
 
 class LLMEngine:
     """Continuous-batching inference over one runtime. Build with :meth:`from_config`."""
@@ -139,6 +137,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, self.block_size, bool(cfg.cache.prefix_caching))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    chunked_prefill=chunked)
+        self.intake = RequestIntake(tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                                    max_model_len=self.max_model_len, max_kv_tokens=num_blocks * self.block_size,
+                                    max_num_seqs=max_num_seqs)
         self._observe_steps = rt.plugins.has_observers("kunlun_infer_engine_step")
         rt.plugins.engine_start({
             "model": str(self.model_path), "dtype": str(self.dtype).removeprefix("torch."),
@@ -164,50 +165,42 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return int(self.model_config.vocab_size)
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """``(prompt text or None, token ids)``; ``RequestError`` for a prompt of the wrong kind."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("prompt: this model has no tokenizer.json, so prompts must be lists of "
-                                   "token ids", field="prompt")
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
-                           field="prompt")
+    def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None) -> PreparedRequest:
+        """Tokenize and check a request without queuing it (``RequestError`` naming the field at fault).
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Refuse a request this engine cannot serve (``RequestError`` naming the field)."""
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
-        params = dataclasses.replace(params)  # checks again: fields may have been changed since it was built
-        validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                        max_kv_tokens=self.block_manager.num_blocks * self.block_size)
-        if params.n > self.scheduler.max_num_seqs:
-            raise RequestError(f"n={params.n} samples must be <= scheduler.max_num_seqs "
-                               f"({self.scheduler.max_num_seqs}), since they run side by side", field="n")
+        :meth:`add_request` takes the result as it is. Safe to call from
+        another thread than the one driving the engine: it reads only the
+        tokenizer and the engine's fixed limits.
+        """
+        return self.intake.prepare(prompt, params)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt | PreparedRequest, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a request (text or token ids); returns its id. Joins the running batch at the next step."""
+        """Queue a request (text, token ids, or one from :meth:`prepare_request`); returns its id.
+
+        It joins the running batch at the next step. Without ``request_id``
+        the engine names it ``req-N``.
+        """
         self._check_open()
-        params = SamplingParams() if params is None else params
-        if isinstance(params, SamplingParams):
-            params = dataclasses.replace(params)  # the request's own checked copy: later edits cannot reach it
-        text, token_ids = self.tokenize(prompt)
-        self.validate(token_ids, params)
+        request = self.intake.accept(prompt, params)
         if request_id is None:
-            request_id = f"req-{next(self._request_ids)}"
-            while self._in_use(request_id):  # a caller may have named one of its own like this
-                request_id = f"req-{next(self._request_ids)}"
+            request_id = self._new_request_id()
         elif not isinstance(request_id, str) or not request_id or self._in_use(request_id):
             raise RequestError(f"request_id must be a non-empty string no unfinished or still unreported "
                                f"request uses, got {request_id!r}", field="request_id")
-        group = SampleGroup(request_id, text, token_ids, params, self._seq_ids, eos_token_ids=self.eos_token_ids,
-                            decoder=self.tokenizer, device=self.device)
+        group = SampleGroup(request_id, request.prompt, list(request.prompt_token_ids), request.params,
+                            self._seq_ids, eos_token_ids=self.eos_token_ids, decoder=self.tokenizer,
+                            device=self.device)
         self._requests[request_id] = group
         self.scheduler.add(group.leader)
         return request_id
+
+    def _new_request_id(self) -> str:
+        """The next free ``req-N``: the one place requests are named (a caller may have taken one already)."""
+        while True:
+            request_id = f"req-{next(self._request_ids)}"
+            if not self._in_use(request_id):
+                return request_id
 
     def _in_use(self, request_id: str) -> bool:
         """True while ``request_id`` is unfinished or its abort is still to be reported."""

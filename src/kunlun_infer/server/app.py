@@ -4,8 +4,9 @@
 with server-sent events), ``/v1/models``, ``/health`` and ``/metrics``.
 Request bodies are parsed here rather than by FastAPI so that every refusal
 — malformed JSON, a bad field, an unknown model, a full queue — has the
-OpenAI error shape. Handlers tokenize and validate on the event loop (cheap,
-read-only) and hand token ids to the engine loop; a stream whose client goes
+OpenAI error shape. Handlers have the engine prepare (tokenize and check)
+each request on the event loop (cheap, read-only) and hand it to the engine
+loop; a stream whose client goes
 away, or a non-streaming request whose connection drops, is aborted.
 """
 
@@ -166,13 +167,10 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
         async def handle() -> Response:
             req = await parse_body(request, CompletionRequest)
             state.check_model(req.model)
-            prompts = [engine.tokenize(p)[1] for p in req.prompts()]
             params = req.sampling_params(max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs)
-            for ids in prompts:
-                engine.validate(ids, params)
+            prepared = [engine.prepare_request(p, params) for p in req.prompts()]
             builder = CompletionBuilder(state.model_name, state.token_text, req.logprobs or 0)
-            return await run(request, Generation(state.loop, prompts, params), builder, req.stream,
-                             req.include_usage)
+            return await run(request, Generation(state.loop, prepared), builder, req.stream, req.include_usage)
 
         return await answer("/v1/completions", handle)
 
@@ -196,10 +194,9 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
                                param="messages")
             max_tokens = req.max_completion_tokens or req.max_tokens or room
             params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs_count())
-            engine.validate(ids, params)
+            prepared = engine.prepare_request(ids, params)
             builder = ChatBuilder(state.model_name, state.token_text, req.top_logprobs or 0)
-            return await run(request, Generation(state.loop, [ids], params), builder, req.stream,
-                             req.include_usage)
+            return await run(request, Generation(state.loop, [prepared]), builder, req.stream, req.include_usage)
 
         return await answer("/v1/chat/completions", handle)
 

@@ -6,7 +6,10 @@ work in a locked inbox and wake the loop thread, which adds and aborts
 requests between steps, runs :meth:`LLMEngine.step` while anything is
 unfinished, and hands each :class:`RequestOutput` to the asyncio queue of
 the handler that owns the request (``call_soon_threadsafe``). Requests that
-arrive while others run join the next step's batch.
+arrive while others run join the next step's batch. Handlers hand over
+requests the engine already prepared (tokenized and checked) and get a
+:class:`Submission` back; the engine names each request when the loop
+thread adds it.
 
 Admission is bounded: at most ``scheduler.max_num_seqs + server.max_queue``
 requests are in flight; one more is refused at once with
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -27,7 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kunlun_infer.engine.outputs import RequestOutput
-from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.engine.intake import PreparedRequest
 from kunlun_infer.errors import KunlunInferError, WorkerError
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -43,13 +45,18 @@ class EngineUnavailableError(KunlunInferError):
     """The engine loop has stopped (shutting down, or the engine failed)."""
 
 
-@dataclasses.dataclass
-class _Submission:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+@dataclasses.dataclass(eq=False)
+class Submission:
+    """One request handed to the loop; its outputs arrive in ``queue`` as ``(tag, output or exception)``."""
+
+    request: PreparedRequest
+    tag: Any
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    #: the engine's name for it, once the loop thread added it
+    request_id: str | None = None
+    #: samples not finished yet (loop thread only)
+    samples_left: int = 0
 
 
 class EngineLoop:
@@ -60,15 +67,14 @@ class EngineLoop:
         self.capacity = int(engine.scheduler.max_num_seqs) + int(max_queue)
         self.metrics = metrics
         self._lock = threading.Lock()
-        self._inbox: deque[_Submission] = deque()
-        self._aborts: deque[str] = deque()
+        self._inbox: deque[Submission] = deque()
+        self._aborts: deque[Submission] = deque()
         self._wakeup = threading.Event()
         self._stopping = False
-        #: requests accepted and not finished: request id -> submission (touched under the lock)
-        self._in_flight: dict[str, _Submission] = {}
-        #: samples still running per request (loop thread only)
-        self._samples_left: dict[str, int] = {}
-        self._ids = itertools.count()
+        #: requests accepted and not finished (touched under the lock)
+        self._in_flight: set[Submission] = set()
+        #: the requests the engine took, by the id it gave them (loop thread only)
+        self._by_request_id: dict[str, Submission] = {}
         self._thread = threading.Thread(target=self._run, name="kunlun-infer-engine-loop", daemon=True)
         #: why the loop stopped serving, if it failed
         self.failure: str | None = None
@@ -95,9 +101,8 @@ class EngineLoop:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
-               request_id: str | None = None) -> str:
-        """Queue a request; its outputs (or an exception) arrive in ``queue`` as ``(request_id, item)``.
+    def submit(self, request: PreparedRequest, queue: asyncio.Queue, tag: Any = None) -> Submission:
+        """Queue a request prepared by the engine; its outputs (or an exception) arrive in ``queue``.
 
         Call from the event loop that awaits ``queue``. Raises
         :class:`ServerBusyError` when full, :class:`EngineUnavailableError`
@@ -111,19 +116,18 @@ class EngineLoop:
                 raise ServerBusyError(
                     f"the server is at capacity: {len(self._in_flight)} requests in flight (scheduler.max_num_seqs"
                     f" + server.max_queue = {self.capacity}); retry later")
-            request_id = request_id or f"req-{next(self._ids)}"
-            submission = _Submission(request_id, prompt_token_ids, params, loop, queue)
-            self._in_flight[request_id] = submission
+            submission = Submission(request, tag, loop, queue)
+            self._in_flight.add(submission)
             self._inbox.append(submission)
         self._wakeup.set()
-        return request_id
+        return submission
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, submission: Submission) -> None:
         """Stop a request (its client went away); its KV blocks are freed before the next step."""
         with self._lock:
-            if request_id not in self._in_flight:
+            if submission not in self._in_flight:
                 return
-            self._aborts.append(request_id)
+            self._aborts.append(submission)
         self._wakeup.set()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -159,14 +163,16 @@ class EngineLoop:
             aborts, self._aborts = list(self._aborts), deque()
         for sub in submissions:
             try:
-                self.engine.add_request(sub.prompt_token_ids, sub.params, request_id=sub.request_id)
+                sub.request_id = self.engine.add_request(sub.request)
             except Exception as exc:  # noqa: BLE001 - a bad request is refused alone
-                self._done(sub.request_id)
+                self._done(sub)
                 self._deliver(sub, exc)
             else:
-                self._samples_left[sub.request_id] = sub.params.n
-        for request_id in aborts:
-            self.engine.abort(request_id)  # its "abort" outputs come with the next step
+                sub.samples_left = sub.request.params.n
+                self._by_request_id[sub.request_id] = sub
+        for sub in aborts:
+            if sub.request_id is not None:
+                self.engine.abort(sub.request_id)  # its "abort" outputs come with the next step
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -191,33 +197,33 @@ class EngineLoop:
     def _dispatch(self, outputs: Iterable[RequestOutput]) -> None:
         """Hand each output to the queue of the handler that owns its request."""
         for output in outputs:
-            with self._lock:
-                sub = self._in_flight.get(output.request_id)
+            sub = self._by_request_id.get(output.request_id)
             if sub is None:
                 continue
             if output.finished:
                 if self.metrics is not None:
                     self.metrics.observe_finished(output)
-                self._samples_left[output.request_id] -= 1
-                if self._samples_left[output.request_id] == 0:
-                    self._done(output.request_id)
+                sub.samples_left -= 1
+                if sub.samples_left == 0:
+                    self._done(sub)
             self._deliver(sub, output)
 
-    def _done(self, request_id: str) -> None:
-        self._samples_left.pop(request_id, None)
+    def _done(self, sub: Submission) -> None:
+        if sub.request_id is not None:
+            self._by_request_id.pop(sub.request_id, None)
         with self._lock:
-            self._in_flight.pop(request_id, None)
+            self._in_flight.discard(sub)
 
     @staticmethod
-    def _deliver(sub: _Submission, item: RequestOutput | BaseException) -> None:
+    def _deliver(sub: Submission, item: RequestOutput | BaseException) -> None:
         try:
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (sub.request_id, item))
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (sub.tag, item))
         except RuntimeError:  # the handler's event loop is closed: nobody is listening
             pass
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            subs, self._in_flight = list(self._in_flight.values()), {}
+            subs, self._in_flight = list(self._in_flight), set()
             self._inbox.clear()
         for sub in subs:
             self._deliver(sub, exc)

@@ -1,8 +1,9 @@
 """One HTTP request's generation: its engine requests, their outputs as they come, and cleanup.
 
 A completions call with several prompts, or ``n`` samples, fans out into
-engine requests whose outputs share one asyncio queue. Each output is
-tagged with its OpenAI choice index (``prompt_index * n + sample index``).
+engine requests whose outputs share one asyncio queue. Each output comes
+tagged with its prompt's index, and becomes the OpenAI choice
+``prompt_index * n + sample index``.
 Whatever way the HTTP exchange ends — finished, client gone, server error
 — :meth:`Generation.abort_unfinished` stops what is still running, so a
 client that disconnects frees its KV blocks.
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kunlun_infer.engine.outputs import RequestOutput
-from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.engine.intake import PreparedRequest
 from kunlun_infer.errors import RequestError
 from kunlun_infer.server.protocol import ApiError
 
@@ -23,25 +24,26 @@ from kunlun_infer.server.protocol import ApiError
 class Generation:
     """The engine requests behind one HTTP request. Build, :meth:`start`, then iterate :meth:`outputs`."""
 
-    def __init__(self, engine_loop: Any, prompts: list[list[int]], params: SamplingParams) -> None:
+    def __init__(self, engine_loop: Any, requests: list[PreparedRequest]) -> None:
+        """``requests``: one per prompt, prepared by the engine with the same params."""
         self.engine_loop = engine_loop
-        self.prompts = prompts
-        self.params = params
+        self.requests = requests
+        self.n = requests[0].params.n
         self.queue: asyncio.Queue = asyncio.Queue()
-        #: engine request id -> prompt index
-        self.request_ids: dict[str, int] = {}
-        self._samples_left = len(prompts) * params.n
+        #: what the engine loop took, by prompt index
+        self.submissions: list[Any] = []
+        self._samples_left = len(requests) * self.n
         self.finals: dict[int, RequestOutput] = {}
 
     @property
     def num_choices(self) -> int:
-        return len(self.prompts) * self.params.n
+        return len(self.requests) * self.n
 
     def start(self) -> None:
         """Submit every prompt; if one is refused (queue full), the ones already in are aborted."""
         try:
-            for index, ids in enumerate(self.prompts):
-                self.request_ids[self.engine_loop.submit(ids, self.params, self.queue)] = index
+            for index, request in enumerate(self.requests):
+                self.submissions.append(self.engine_loop.submit(request, self.queue, tag=index))
         except BaseException:
             self.abort_unfinished()
             raise
@@ -49,13 +51,13 @@ class Generation:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(choice index, output)`` as the engine produces them, until every choice finished."""
         while self._samples_left:
-            request_id, item = await self.queue.get()
+            index, item = await self.queue.get()
             if isinstance(item, BaseException):
                 self.abort_unfinished()
                 if isinstance(item, RequestError):
                     raise ApiError.from_request_error(item)
                 raise item
-            choice = self.request_ids[request_id] * self.params.n + item.index
+            choice = index * self.n + item.index
             if item.finished:
                 self._samples_left -= 1
                 self.finals[choice] = item
@@ -68,14 +70,13 @@ class Generation:
 
     def abort_unfinished(self) -> None:
         """Abort every engine request of this generation that has not finished (idempotent)."""
-        finished_requests = {rid for rid, index in self.request_ids.items()
-                             if all(index * self.params.n + k in self.finals for k in range(self.params.n))}
-        for request_id in self.request_ids.keys() - finished_requests:
-            self.engine_loop.abort(request_id)
+        for index, submission in enumerate(self.submissions):
+            if not all(index * self.n + k in self.finals for k in range(self.n)):
+                self.engine_loop.abort(submission)
         self._samples_left = 0
 
     @property
     def usage(self) -> dict[str, int]:
-        prompt = sum(len(p) for p in self.prompts)
+        prompt = sum(len(r.prompt_token_ids) for r in self.requests)
         completion = sum(len(o.token_ids) for o in self.finals.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
