@@ -10,6 +10,7 @@ import sys
 
 import yaml
 
+from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
 from kunlun_infer.cli import main
 
 
@@ -81,5 +82,5 @@ def test_help_and_version():
     code, out, _ = run_cli("config", "--help")
     assert code == 0 and "usage: kunlun-infer config" in out and "Hydra override" in out
     code, out, _ = run_cli("--version")
-    assert code == 0 and "hook API 1.0" in out
+    assert code == 0 and f"hook API {HOOK_API_VERSION_STR}" in out
     assert run_cli()[0] == 2
