@@ -1,4 +1,4 @@
-"""The config tree ``conf/``: what the package composes is the checkout's tree; the deployment examples compose.
+"""The config tree ``conf/``: the package's is the checkout's; defaults live in the schema; the examples compose.
 
 ``conf/`` sits at the top level of the repository and becomes the package
 ``kunlun_infer.conf`` when installed (``package-dir`` in ``pyproject.toml``).
@@ -8,12 +8,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 from pathlib import Path
 
 import pytest
+from omegaconf import MISSING, OmegaConf
 
 from kunlun_infer import ConfigError, LLM, SamplingParams, compose_config
+from kunlun_infer.config import GROUP_SCHEMAS, check_ranges
 from tests.engine.tiny_models import build_tiny_model, engine_overrides
 
 try:
@@ -92,3 +95,40 @@ def test_the_examples_this_machine_can_run_generate(deploy, tmp_path):
         (out,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                               use_tqdm=False)
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def test_every_composed_default_is_the_schemas():
+    cfg = compose_config([])
+    for group in GROUP_SCHEMAS:
+        node = cfg[group]
+        for f in dataclasses.fields(OmegaConf.get_type(node)):
+            if _default(f) is not MISSING:
+                assert node[f.name] == _default(f), f"{group}.{f.name}"
+
+
+@pytest.mark.parametrize("option", sorted(str(p.relative_to(REPO / "conf")) for p in (REPO / "conf").glob("*/*.yaml")
+                                          if p.parent.name != "deploy"))
+def test_a_group_option_file_sets_only_what_differs_from_the_schema(option):
+    group = option.split("/")[0]
+    defaults = {f.name: _default(f) for f in dataclasses.fields(GROUP_SCHEMAS[group])}
+    for key, value in (OmegaConf.to_container(OmegaConf.load(REPO / "conf" / option)) or {}).items():
+        assert value != defaults[key], f"conf/{option} repeats the default of {group}.{key}; the schema holds it"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("cache.block_size=0", "cache.block_size=0 must be >= 1"),
+    ("cache.memory_fraction=1.5", r"cache.memory_fraction=1.5 must be in \(0, 1\]"),
+    ("scheduler.on_step_error=later", "scheduler.on_step_error=later must be recover or shutdown"),
+    ("parallel.tensor_size=0", "parallel.tensor_size=0 must be at least 1"),
+    ("server.port=70000", r"server.port=70000 must be in \[0, 65535\]"),
+    ("model.dtype=int8", "model.dtype=int8 must be auto, float32, bfloat16, float16"),
+])
+def test_a_value_out_of_range_is_refused_at_composition_and_in_a_config_built_by_hand(override, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_config([override])
+    with pytest.raises(ConfigError, match=message):
+        check_ranges(OmegaConf.from_dotlist([override]))

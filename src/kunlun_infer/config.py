@@ -1,21 +1,41 @@
-"""Structured-config schemas: the type-checked shape of every Hydra group.
+"""Structured-config schemas: the type-checked shape of every Hydra group, with its defaults and ranges.
 
 Each group of the config tree (``conf/``) is validated against one dataclass
-here. Options contributed by plugins subclass the capability schemas
-(``DeviceConfig`` …) to add keys of their own (``device.capacity``). Configs
-never carry ``_target_``: implementations are found by registered name.
+here. These dataclasses are the one place a key's default lives: the YAML
+files of ``conf/`` set only what an option changes (``name``, a preset's
+limits). A value range the type alone does not express sits on the field
+(:func:`ranged`) and is checked at composition and again when the engine or
+the server starts from a config (:func:`check_ranges`). Options contributed
+by plugins subclass the capability schemas (``DeviceConfig`` …) to add keys of
+their own (``device.capacity``). Configs never carry ``_target_``:
+implementations are found by registered name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from kunlun_infer.dtypes import DTYPES
+from kunlun_infer.errors import ConfigError
+
 #: seconds a collective may stay silent before the comm gives up: the one default of ``comm.timeout_s``,
 #: also of every ``Comm.init(timeout_s=)``
 COMM_TIMEOUT_S: float = 120.0
+#: what the engine does after a failed step (``scheduler.on_step_error``)
+ON_STEP_ERROR: tuple[str, ...] = ("recover", "shutdown")
+
+
+def ranged(default: Any, allowed: str, ok: Callable[[Any], bool]) -> Any:
+    """A schema field whose values must pass ``ok``; ``allowed`` says which do, for the error message."""
+    return dataclasses.field(default=default, metadata={"allowed": allowed, "ok": ok})
+
+
+def _at_least(low: int) -> Callable[[Any], bool]:
+    return lambda v: v >= low
 
 
 @dataclasses.dataclass
@@ -64,7 +84,7 @@ class ModelConfig:
     """``model`` group. ``path=None`` means the embedded default model."""
 
     path: Optional[str] = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = ranged("auto", "auto, " + ", ".join(DTYPES), lambda v: v == "auto" or v in DTYPES)
     #: ``None`` = the model's ``max_position_embeddings``
     max_model_len: Optional[int] = None
     #: tokenizer folder; ``None`` = ``path``
@@ -76,11 +96,11 @@ class ModelConfig:
 class CacheConfig:
     """``cache`` group: the paged KV cache."""
 
-    block_size: int = 16
+    block_size: int = ranged(16, ">= 1", _at_least(1))
     #: explicit number of KV blocks; ``None`` = sized from memory
-    num_blocks: Optional[int] = None
+    num_blocks: Optional[int] = ranged(None, ">= 1 or null", lambda v: v is None or v >= 1)
     #: share of device memory the engine may use (weights + activations + KV)
-    memory_fraction: float = 0.9
+    memory_fraction: float = ranged(0.9, "in (0, 1]", lambda v: 0 < v <= 1)
     prefix_caching: bool = True
 
 
@@ -88,19 +108,19 @@ class CacheConfig:
 class SchedulerConfig:
     """``scheduler`` group: continuous batching limits."""
 
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = ranged(16, ">= 1", _at_least(1))
+    max_num_batched_tokens: int = ranged(2048, ">= 1", _at_least(1))
     #: chunk long prompts into pieces under ``max_num_batched_tokens``
     chunked_prefill: bool = True
     #: after a failed step (its requests end with an error): ``recover`` serves on, ``shutdown`` closes the engine
-    on_step_error: str = "recover"
+    on_step_error: str = ranged("recover", " or ".join(ON_STEP_ERROR), lambda v: v in ON_STEP_ERROR)
 
 
 @dataclasses.dataclass
 class ParallelConfig:
     """``parallel`` group: tensor parallelism."""
 
-    tensor_size: int = 1
+    tensor_size: int = ranged(1, "at least 1", _at_least(1))
     #: ``tcp://host:port`` for rendezvous of engine-spawned workers; ``None`` = pick a free port
     init_method: Optional[str] = None
     #: seconds to wait for a worker before declaring it dead
@@ -112,8 +132,8 @@ class ServerConfig:
     """``server`` group: the OpenAI-compatible HTTP server."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_queue: int = 256
+    port: int = ranged(8000, "in [0, 65535] (0 = any free port)", lambda v: 0 <= v <= 65535)
+    max_queue: int = ranged(256, ">= 0", _at_least(0))
     model_name: Optional[str] = None
 
 
@@ -167,3 +187,43 @@ GROUP_SCHEMAS: dict[str, type] = {**{f.name: f.default_factory for f in dataclas
 def group_schema(group: str) -> Any:
     """The schema dataclass of ``group`` (``KeyError`` for an unknown group)."""
     return GROUP_SCHEMAS[group]
+
+
+def _field(key: str) -> dataclasses.Field:
+    group, name = key.split(".")
+    return next(f for f in dataclasses.fields(GROUP_SCHEMAS[group]) if f.name == name)
+
+
+def schema_default(key: str) -> Any:
+    """The default of ``key`` (``"scheduler.on_step_error"``), as the schema defines it."""
+    return _field(key).default
+
+
+def setting(cfg: Any, key: str) -> Any:
+    """``key`` of ``cfg``, or its schema default where a config built by hand leaves it out."""
+    group, name = key.split(".")
+    node = cfg.get(group) if hasattr(cfg, "get") else getattr(cfg, group, None)
+    if node is not None and name in node:
+        return node[name]
+    return schema_default(key)
+
+
+def check_ranges(cfg: Any) -> None:
+    """Refuse a value outside its field's range (:func:`ranged`), naming the key and what is allowed.
+
+    Keys a config built by hand leaves out are left to their defaults.
+    """
+    for group, schema in GROUP_SCHEMAS.items():
+        node = cfg.get(group) if hasattr(cfg, "get") else None
+        if node is None:
+            continue
+        for f in dataclasses.fields(schema):
+            if "ok" not in f.metadata or f.name not in node:
+                continue
+            value = node[f.name]
+            try:
+                ok = f.metadata["ok"](value)
+            except (TypeError, ValueError):  # a config built by hand may hold a string where a number belongs
+                ok = False
+            if not ok:
+                raise ConfigError(f"{group}.{f.name}={value} must be {f.metadata['allowed']}")

@@ -167,10 +167,10 @@ def test_a_failing_wrapper_is_skipped_and_the_observers_still_hear(manager, capl
 
     def broken(self, stats):
         raise ConfigError("wrapper setup failed")
-        yield  # noqa: unreachable - makes this a generator, as a wrapper is
+        yield  # unreachable: makes this a generator, as a wrapper is
 
     def broken_after(self, stats):
-        result = yield
+        yield
         heard.append("teardown")
         raise RuntimeError("wrapper teardown failed")
 

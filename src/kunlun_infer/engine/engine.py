@@ -33,6 +33,8 @@ from omegaconf import DictConfig
 
 from kunlun_infer.engine.block_manager import BlockManager
 from kunlun_infer.engine.failures import describe_failure
+from kunlun_infer.config import check_ranges, setting
+from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.intake import Prompt, PreparedRequest, RequestIntake
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, allocate_kv_caches, free_kv_caches, size_kv_cache
 from kunlun_infer.engine.model_runner import ModelRunner, SampledToken
@@ -41,8 +43,7 @@ from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sample_group import SampleGroup
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
-from kunlun_infer.engine.setup import (check_engine_config, choose_dtype, choose_max_model_len,
-                                       measure_activation_bytes, model_dir)
+from kunlun_infer.engine.setup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
 from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -88,8 +89,8 @@ class LLMEngine:
         from kunlun_infer.models import load_model, load_model_config
 
         cfg, rt = self.config, self.runtime
-        check_engine_config(cfg)
-        self.on_step_error = str(cfg.scheduler.get("on_step_error", "recover"))
+        check_ranges(cfg)  # composition checked them; a config built by hand did not go through it
+        self.on_step_error = str(setting(cfg, "scheduler.on_step_error"))
         tensor_size = int(cfg.parallel.tensor_size)
         self.model_path = model_dir(cfg.model.path)
         self.model_config = arch = load_model_config(self.model_path)
@@ -142,7 +143,7 @@ class LLMEngine:
                                     max_num_seqs=max_num_seqs)
         self._observe_steps = rt.plugins.has_observers("kunlun_infer_engine_step")
         rt.plugins.engine_start({
-            "model": str(self.model_path), "dtype": str(self.dtype).removeprefix("torch."),
+            "model": str(self.model_path), "dtype": dtype_name(self.dtype),
             "kv_blocks_total": num_blocks, "block_size": self.block_size, "tensor_size": tensor_size,
             "plugins": {c: rt.plugin_for(c) for c in ("device", "memory", "ops", "comm", "streams")},
         })

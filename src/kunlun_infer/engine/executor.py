@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.distributed import ControlPlane, exchange_status
 from kunlun_infer.engine.launch import free_loopback_port, torchrun_place
 from kunlun_infer.engine.model_runner import ModelRunner, StepInputs
@@ -115,7 +116,7 @@ class TensorParallelGroup:
         """Every rank loads its shard; returns rank 0's. Raises the first failure of any rank."""
         from kunlun_infer.models import load_model
 
-        spec = {"model_path": str(model_path), "dtype": str(dtype).removeprefix("torch."),
+        spec = {"model_path": str(model_path), "dtype": dtype_name(dtype),
                 "max_model_len": int(max_model_len), "block_size": int(block_size)}
         with self.collective("sending the load request"):
             self.plane.send_load(spec)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from kunlun_infer.config import check_ranges
 from kunlun_infer.errors import ConfigError
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -64,9 +65,8 @@ def resolve_parallel_config(cfg: DictConfig, place: Place | None = None) -> Dict
     device's own comm plugin (chosen with ``comm=<name>``) is faster.
     """
     place = place if place is not None else torchrun_place()
+    check_ranges(cfg)
     size = int(cfg.parallel.tensor_size)
-    if size < 1:
-        raise ConfigError(f"parallel.tensor_size={size} must be at least 1")
     changes: dict[str, object] = {}
     if place is not None and place.world_size > 1:
         if size not in (1, place.world_size):

@@ -20,31 +20,11 @@ from kunlun_infer.capabilities import Device, MemoryAllocator
 from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, free_kv_caches
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.scheduler import ScheduledBatch
+from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger("kunlun_infer.framework")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: what the engine does after a failed step (``scheduler.on_step_error``)
-ON_STEP_ERROR = ("recover", "shutdown")
-
-
-def check_engine_config(cfg: Any) -> None:
-    """Refuse engine settings out of range, naming the key (types are checked at composition)."""
-    checks = [
-        ("cache.block_size", cfg.cache.block_size, lambda v: v >= 1, ">= 1"),
-        ("cache.num_blocks", cfg.cache.num_blocks, lambda v: v is None or v >= 1, ">= 1 or null"),
-        ("cache.memory_fraction", cfg.cache.memory_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
-        ("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs, lambda v: v >= 1, ">= 1"),
-        ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens, lambda v: v >= 1, ">= 1"),
-        ("scheduler.on_step_error", cfg.scheduler.get("on_step_error", "recover"),
-         lambda v: v in ON_STEP_ERROR, " or ".join(ON_STEP_ERROR)),
-    ]
-    for key, value, ok, allowed in checks:
-        if not ok(value):
-            raise ConfigError(f"{key}={value} must be {allowed}")
-
 
 def default_model_dir() -> Path:
     """The model shipped inside the package."""
@@ -62,15 +42,15 @@ def model_dir(path: str | None) -> Path:
 
 
 def choose_dtype(requested: str, checkpoint_dtype: Any, device: Device) -> torch.dtype:
-    """``model.dtype``: an explicit dtype the device supports, or ``auto`` = the checkpoint's if supported."""
+    """``model.dtype``: an explicit dtype the device supports, or ``auto`` = the checkpoint's if supported.
+
+    ``requested`` is in range (:func:`kunlun_infer.config.check_ranges`).
+    """
     supported = device.supported_dtypes()
     names = ", ".join(sorted(n for n, d in DTYPES.items() if d in supported))
     if requested == "auto":
-        name = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype is not None else "float32"
-        dtype = DTYPES.get(name, torch.float32)
+        dtype = checkpoint_dtype if checkpoint_dtype in DTYPES.values() else torch.float32
         return dtype if dtype in supported else torch.float32
-    if requested not in DTYPES:
-        raise ConfigError(f"model.dtype={requested} is not one of auto, {', '.join(DTYPES)}")
     if DTYPES[requested] not in supported:
         raise ConfigError(f"model.dtype={requested} is not supported by device '{device.name}'; "
                           f"supported: {names}")

@@ -26,14 +26,13 @@ from typing import Any, TextIO
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine.distributed import ControlPlane, Kind, exchange_status
 from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, free_kv_caches
 from kunlun_infer.engine.launch import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.engine.model_runner import ModelRunner
 
 log = logging.getLogger("kunlun_infer.framework")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Worker:

@@ -22,7 +22,8 @@ from safetensors import safe_open
 from kunlun_infer.errors import ModelLoadError
 from kunlun_infer.layers import LayerContext
 from kunlun_infer.models.base import CausalLM
-from kunlun_infer.models.config import DTYPES, ModelArchConfig, load_model_config, read_json
+from kunlun_infer.dtypes import DTYPES
+from kunlun_infer.models.config import ModelArchConfig, load_model_config, read_json
 from kunlun_infer.models.llama import LlamaForCausalLM
 from kunlun_infer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 

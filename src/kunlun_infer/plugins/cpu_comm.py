@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from kunlun_infer import __version__
 from kunlun_infer.capabilities import Comm, Device
-from kunlun_infer.config import COMM_TIMEOUT_S
+from kunlun_infer.config import COMM_TIMEOUT_S, schema_default
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.plugins.cpu_device import stack_versions
 from kunlun_infer.plugins.process_group import ProcessGroupComm, parse_dtype
@@ -75,7 +75,8 @@ class GlooComm(ProcessGroupComm):
 
 
 def _accumulate(config: Any) -> torch.dtype | None:
-    return parse_dtype(config.get("accumulate_dtype", "float32") if config is not None else "float32")
+    default = schema_default("comm.accumulate_dtype")
+    return parse_dtype(config.get("accumulate_dtype", default) if config is not None else default)
 
 
 def make_single(*, config: Any, device: Device) -> SingleComm:

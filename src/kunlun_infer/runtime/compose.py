@@ -19,7 +19,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from kunlun_infer.config import GROUP_SCHEMAS, KunlunConfig
+from kunlun_infer.config import GROUP_SCHEMAS, KunlunConfig, check_ranges
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.runtime.config_checks import check_composed, refuse_target_overrides, translate_error
 from kunlun_infer.runtime.log import runtime_log
@@ -106,6 +106,7 @@ def compose_config(overrides: Sequence[str] = (), *, plugin_manager: Any = None)
     with open_dict(cfg):
         del cfg["hydra"]
     check_composed(cfg)
+    check_ranges(cfg)
     OmegaConf.set_readonly(cfg, False)
     OmegaConf.set_struct(cfg, True)
     runtime_log.debug("composed config with overrides %s", overrides)

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kunlun_infer.capabilities import Comm, Device, MemoryAllocator, OpsProvider, Streams
-from kunlun_infer.config import COMM_TIMEOUT_S
+from kunlun_infer.config import setting
 from kunlun_infer.errors import ConfigError, PluginError
 from kunlun_infer.hookspecs import CAPABILITIES
 from kunlun_infer.runtime.config_checks import refuse_targets
@@ -126,7 +126,7 @@ class Runtime:
                   timeout_s: float | None = None) -> None:
         """Join the comm group (``comm.init``); ``timeout_s`` defaults to ``comm.timeout_s``."""
         if timeout_s is None:
-            timeout_s = float(self.config.comm.get("timeout_s", COMM_TIMEOUT_S))
+            timeout_s = float(setting(self.config, "comm.timeout_s"))
         self.comm.init(rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ ops
@@ -137,7 +137,7 @@ class Runtime:
         :raises OpsCoverageError: with ``ops.strict=true`` and ops missing, or for
             an op neither the plugin nor the reference table provides.
         """
-        strict = bool(self.config.ops.get("strict", False))
+        strict = bool(setting(self.config, "ops.strict"))
         table = resolve(ops, provider=unwrap(self.ops), plugin=self._providers["ops"], strict=strict)
         new = [op for op in table.fallbacks if op not in self._warned_fallbacks]
         if new:

@@ -18,6 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from kunlun_infer.config import check_ranges
 from kunlun_infer.errors import ConfigError
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -30,14 +31,6 @@ def model_name_for(config: DictConfig) -> str:
     if config.server.model_name:
         return str(config.server.model_name)
     return Path(str(config.model.path)).name if config.model.path else "default"
-
-
-def check_server_config(config: DictConfig) -> None:
-    port, max_queue = int(config.server.port), int(config.server.max_queue)
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"server.port={port} must be in [0, 65535] (0 = any free port)")
-    if max_queue < 0:
-        raise ConfigError(f"server.max_queue={max_queue} must be >= 0")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -63,7 +56,7 @@ def serve(config: DictConfig, *, on_ready: Any = None) -> None:
     from kunlun_infer.engine.engine import LLMEngine
     from kunlun_infer.server.app import build_app
 
-    check_server_config(config)
+    check_ranges(config)
     sock = bind(str(config.server.host), int(config.server.port))
     try:
         engine = LLMEngine.from_config(config)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, open_dict
 
+from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, size_kv_cache
 from kunlun_infer.tools.model_shapes import ModelShapes, model_shapes
 
@@ -60,7 +61,7 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         b, s = self.budget, self.shapes
         return {
-            "model": self.model, "architecture": s.architecture, "dtype": str(self.dtype).removeprefix("torch."),
+            "model": self.model, "architecture": s.architecture, "dtype": dtype_name(self.dtype),
             "tensor_size": self.tensor_size, "device": self.device,
             "device_memory": b.device_memory, "device_memory_source": self.device_memory_source,
             "memory_fraction": b.memory_fraction, "usable": b.usable_bytes, "reserve": b.reserve_bytes,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
 from kunlun_infer.testing import ConformanceError, check_op
 from kunlun_infer.tools.doctor.context import DoctorContext
@@ -27,13 +28,9 @@ PROMPTS = ([3, 14, 15, 92, 65], list(range(40, 80)), [2, 7, 1, 8, 2, 8, 1, 8, 2,
 MAX_TOKENS = 8
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _shapes(op: str, dtype: torch.dtype, device: torch.device, seed: int) -> list[str]:
     args, _ = OP_SPECS[op].sample(dtype, device, torch.Generator().manual_seed(seed))
-    return [f"{tuple(a.shape)} {_dtype_name(a.dtype)}" if isinstance(a, torch.Tensor) else repr(a) for a in args]
+    return [f"{tuple(a.shape)} {dtype_name(a.dtype)}" if isinstance(a, torch.Tensor) else repr(a) for a in args]
 
 
 def _op_failure(ctx: DoctorContext, op: str, message: str, repro: Repro) -> StageFailed:
@@ -61,12 +58,12 @@ def _check_ops(ctx: DoctorContext, served: list[str], result: StageResult) -> No
                 check_op(ctx.runtime.ops, op, dtype, device.torch_device, seed=ctx.seed)
             except Exception as exc:  # noqa: BLE001 - a mismatch or a crash of the kernel, both the op's fault
                 text = str(exc) if isinstance(exc, ConformanceError) else f"{type(exc).__name__}: {exc}"
-                constants = {"OP": op, "DTYPE": _dtype_name(dtype), "SEED": ctx.seed,
+                constants = {"OP": op, "DTYPE": dtype_name(dtype), "SEED": ctx.seed,
                              "SHAPES": _shapes(op, dtype, torch.device("cpu"), ctx.seed)}
                 raise _op_failure(ctx, op, f"on the conformance sample inputs: {text}",
                                   _repro(ctx, "op", op, text, constants)) from exc
     result.details.append(f"{len(served)} plugin op(s) match their references in "
-                          f"{', '.join(_dtype_name(d) for d in dtypes)}")
+                          f"{', '.join(dtype_name(d) for d in dtypes)}")
 
 
 def _check_model(ctx: DoctorContext, served: list[str], result: StageResult) -> None:
@@ -89,8 +86,8 @@ def _check_model(ctx: DoctorContext, served: list[str], result: StageResult) -> 
     if capture is not None:
         tensors, spec = capture.tensors_and_spec()
         message += f"\nfirst differing call: {capture.message}"
-        shapes = [f"{tuple(t.shape)} {_dtype_name(t.dtype)}" for t in tensors.values()]
-        repro = _repro(ctx, "op_inputs", op, message, {"OP": op, "DTYPE": _dtype_name(torch.float32), "ARGS": spec,
+        shapes = [f"{tuple(t.shape)} {dtype_name(t.dtype)}" for t in tensors.values()]
+        repro = _repro(ctx, "op_inputs", op, message, {"OP": op, "DTYPE": dtype_name(torch.float32), "ARGS": spec,
                                                        "SHAPES": shapes}, tensors)
     else:
         repro = _repro(ctx, "op", op, message, {"OP": op, "DTYPE": "float32", "SEED": ctx.seed,
