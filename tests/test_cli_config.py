@@ -12,6 +12,7 @@ import yaml
 
 from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
 from kunlun_infer.cli import main
+from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
 
 
 def run_cli(*argv):
