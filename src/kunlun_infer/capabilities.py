@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kunlun_infer.config import COMM_TIMEOUT_S
+from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
 
 # --------------------------------------------------------------------------- device
 
@@ -161,6 +162,20 @@ class OpsProvider(abc.ABC):
         from kunlun_infer.ops import OP_SPECS
 
         return [op for op in OP_SPECS if self.supports(op)]
+
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackend | None:
+        """This provider's attention backend for ``spec``, or ``None`` to use the reference backend.
+
+        The reference backend (:mod:`kunlun_infer.ops.reference_attention`)
+        keeps the 1.0 cache layout and calls this provider's ``store_kv`` and
+        ``paged_attention`` (or their references). A provider with kernels of
+        its own layout returns an :class:`~kunlun_infer.ops.attention.AttentionBackend`
+        (see that module for the contract); it may return ``None`` for a
+        ``spec.kind`` or dtype it does not serve. Called once per model load,
+        also with ``device=None`` providers (sizing only): it must not touch
+        hardware. Added in 1.1.
+        """
+        return None
 
 
 class DictOpsProvider(OpsProvider):

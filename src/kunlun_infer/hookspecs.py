@@ -42,10 +42,34 @@ Errors
     the hook and the layer, the original exception chained — except from the
     observability hooks, whose failures are logged and ignored (see there).
 
+Attention backends (1.1)
+    An ops provider may own the paged KV cache and the attention kernels:
+    :meth:`kunlun_infer.capabilities.OpsProvider.attention_backend` returns an
+    :class:`kunlun_infer.ops.attention.AttentionBackend` for the model's
+    :class:`~kunlun_infer.ops.attention.AttentionSpec`. The backend says which
+    tensors one layer's cache is made of (``kv_cache_tensors``), in which
+    order a step's sequences go into the flat batch (``order_batch``), builds
+    its per-step metadata from the engine's neutral
+    :class:`~kunlun_infer.ops.attention_step.AttentionStep` (host lists:
+    query and context lengths, block tables, slot mapping; prefill, chunked
+    prefill and decode kinds), and stores and attends (``store_kv``,
+    ``attend``). The engine allocates the cache through the memory plugin in
+    the backend's shapes and never indexes it. A provider without one gets
+    the reference backend: separate K and V caches ``[num_blocks,
+    block_size, num_kv_heads, head_dim]`` served by the op table's
+    ``store_kv`` and ``paged_attention``, exactly as in 1.0. The conformance
+    suite (:func:`kunlun_infer.testing.check_attention_backend`) checks a
+    backend against the reference backend.
+
 Changes
     1.0 — first version of the contract.
     1.1 — the ``platform`` config group: :func:`kunlun_infer_config_options`
-    may contribute ``ConfigOption("platform", name, PlatformConfig(...))``.
+    may contribute ``ConfigOption("platform", name, PlatformConfig(...))``;
+    and attention backends: the optional ``OpsProvider.attention_backend(spec)``
+    and the contract of :mod:`kunlun_infer.ops.attention` (``AttentionSpec``,
+    ``CacheTensorSpec``, ``AttentionBackend``) and
+    :mod:`kunlun_infer.ops.attention_step` (``AttentionStep``). A 1.0 plugin
+    (op table only) loads and runs unchanged, on the reference backend.
 """
 
 from __future__ import annotations
@@ -190,7 +214,9 @@ def kunlun_infer_ops_factories() -> Mapping[str, OpsFactory]:
         a plain-torch reference, the definition of its meaning). A provider may
         cover any subset; ``supports(op)`` must answer truthfully, since the
         runtime resolves every op before the first step and falls back to the
-        reference for gaps (or refuses under ``ops.strict``).
+        reference for gaps (or refuses under ``ops.strict``). Since 1.1 the
+        provider may also serve attention with a cache layout of its own
+        (``OpsProvider.attention_backend``; see "Attention backends" above).
         ``kunlun-infer plugins`` builds providers with ``device=None`` to list
         coverage without hardware: a factory must then answer for the device
         type it targets, without touching hardware. A provider that

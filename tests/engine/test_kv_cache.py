@@ -5,15 +5,33 @@ import torch
 
 from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.engine.kv_cache import KVLayout, blocks_for_budget
-from kunlun_infer.errors import DeviceOutOfMemoryError
+from kunlun_infer.errors import DeviceOutOfMemoryError, PluginError
+from kunlun_infer.ops.attention import AttentionSpec, CacheTensorSpec
+from kunlun_infer.ops.reference_attention import ReferenceAttentionBackend
 from kunlun_infer.runtime import Runtime, compose_config
 from tests.engine.tiny_models import engine_overrides
 
-LAYOUT = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+LAYOUT = KVLayout(num_layers=2, block_size=16, backend=ReferenceAttentionBackend(SPEC))
 
 
 def test_block_bytes_cover_k_and_v_of_every_layer():
     assert LAYOUT.bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4
+    assert LAYOUT.nbytes(40) == 40 * LAYOUT.bytes_per_block
+
+
+class FixedScratchBackend(ReferenceAttentionBackend):
+    """A layout whose size does not grow with the blocks: a memory plan could not be made from it."""
+
+    name = "fixed-scratch"
+
+    def kv_cache_tensors(self, num_blocks, block_size):
+        return (*super().kv_cache_tensors(num_blocks, block_size), CacheTensorSpec((1024,), torch.float32))
+
+
+def test_a_layout_not_linear_in_the_blocks_is_refused_naming_the_backend():
+    with pytest.raises(PluginError, match="attention backend 'fixed-scratch'.*same positive number of bytes"):
+        KVLayout(2, 16, FixedScratchBackend(SPEC)).bytes_per_block
 
 
 def test_memory_limits_the_blocks_after_activations():
@@ -40,7 +58,7 @@ def test_kv_tensors_come_from_the_memory_plugin_and_go_back_on_close(tiny_model)
     with Runtime.from_config(cfg) as runtime:
         before = runtime.memory.stats().allocated
         engine = LLMEngine(cfg, runtime=runtime)
-        kv_bytes = 40 * KVLayout(2, 16, 2, 16, torch.float32).bytes_per_block
+        kv_bytes = 40 * LAYOUT.bytes_per_block
         assert runtime.memory.stats().allocated - before >= kv_bytes
         k_cache, v_cache = engine.runner.kv_caches[0]
         assert tuple(k_cache.shape) == (40, 16, 2, 16) and bool((v_cache == 0).all())

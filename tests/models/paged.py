@@ -3,7 +3,8 @@
 It plays the part of the engine's block manager and model runner just enough
 to feed a :class:`~kunlun_infer.models.CausalLM` prefill chunks and decode
 steps for several sequences at once, with non-contiguous blocks, and return
-each sequence's logits for its new tokens.
+each sequence's logits for its new tokens. Like the engine, it describes each
+step neutrally and leaves the cache's layout to the model's attention backend.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import types
 
 import torch
 
-from kunlun_infer.layers import AttentionMetadata
 from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.ops.attention_step import AttentionStep
 
 
 class ReferenceRuntime:
@@ -30,14 +31,16 @@ class ReferenceRuntime:
 
 
 class PagedKV:
-    """KV caches for ``model`` plus per-sequence block tables; blocks handed out in a scrambled order."""
+    """KV caches for ``model`` in its attention backend's layout, plus per-sequence block tables.
 
-    def __init__(self, model, num_blocks: int = 96, block_size: int = 4, dtype: torch.dtype | None = None):
-        dtype = dtype or model.ctx.dtype
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    Blocks are handed out in a scrambled order; the caches are only ever
+    touched by the model's attention backend.
+    """
+
+    def __init__(self, model, num_blocks: int = 96, block_size: int = 4):
         self.model, self.block_size = model, block_size
-        self.caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                       for _ in range(model.num_layers)]
+        tensors = model.attention.kv_cache_tensors(num_blocks, block_size)
+        self.caches = [tuple(torch.zeros(t.shape, dtype=t.dtype) for t in tensors) for _ in range(model.num_layers)]
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
         self.blocks: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -47,7 +50,7 @@ class PagedKV:
 
         Returns ``{seq_id: [len(tokens), vocab] float32 logits}``.
         """
-        ids, positions, slots, qsl = [], [], [], [0]
+        ids, positions, slots, context_lens = [], [], [], []
         for sid, tokens in chunks.items():
             start = self.lens.get(sid, 0)
             blocks = self.blocks.setdefault(sid, [])
@@ -57,20 +60,15 @@ class PagedKV:
                 slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
                 positions.append(pos)
             ids += tokens
+            context_lens.append(start)
             self.lens[sid] = start + len(tokens)
-            qsl.append(qsl[-1] + len(tokens))
-        width = max(len(self.blocks[s]) for s in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for i, sid in enumerate(chunks):
-            tables[i, :len(self.blocks[sid])] = torch.tensor(self.blocks[sid], dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=tables,
-            seq_lens=torch.tensor([self.lens[s] for s in chunks], dtype=torch.int32),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32))
+        step = AttentionStep(self.block_size, [len(t) for t in chunks.values()], context_lens,
+                             [list(self.blocks[s]) for s in chunks], slots)
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                                meta, self.caches)
+                                self.model.attention.build_metadata(step), self.caches)
             logits = self.model.compute_logits(hidden)
+        qsl = step.query_start_loc
         return {sid: logits[qsl[i]:qsl[i + 1]] for i, sid in enumerate(chunks)}
 
 

@@ -124,6 +124,7 @@ def test_model_that_cannot_be_split_is_refused(folder):
 
 
 def test_ops_are_resolved_through_the_runtime(folder):
-    runtime = ReferenceRuntime()
+    runtime = ReferenceRuntime()  # offers no attention backend: the reference backend's ops are resolved too
     model = load_model(folder, runtime=runtime, dtype=torch.float32)
-    assert runtime.resolved == list(model.required_ops)
+    assert runtime.resolved == [*model.required_ops, "store_kv", "paged_attention"]
+    assert model.attention.name == "reference"

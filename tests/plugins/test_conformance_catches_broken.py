@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +73,53 @@ def test_packing_without_linear_is_refused():
     provider = DictOpsProvider({"pack_linear_weight": reference.pack_linear_weight})
     with pytest.raises(ConformanceError, match="packs weights but has no 'linear'"):
         check_op(provider, "pack_linear_weight", torch.float32, torch.device("cpu"))
+
+
+def test_attention_backend_check_passes_a_faithful_layout_and_names_a_wrong_store():
+    from tests.tools.padded_attention_plugin import PaddedOps
+
+    from kunlun_infer.plugins.cpu_device import CpuDevice
+    from kunlun_infer.testing import check_attention_backend
+
+    device = CpuDevice()
+    checked = check_attention_backend(PaddedOps("padded"), device, dtypes=[torch.float32, torch.bfloat16])
+    assert [(s.num_heads, s.num_kv_heads, s.dtype) for s in checked] == [
+        (8, 2, torch.float32), (8, 2, torch.bfloat16), (4, 4, torch.float32), (4, 4, torch.bfloat16)]
+    # keys overwritten by values: the first step attends over its own new keys and may pass; a later one cannot
+    with pytest.raises(ConformanceError, match=r"attention backend 'padded' \(8 query / 2 kv heads of 64, "
+                                               r"torch.float32.*step \d \(.*\): attend output differs"):
+        check_attention_backend(PaddedOps("padded-broken", broken=True), device, dtypes=[torch.float32])
+
+
+def test_attention_backend_check_refuses_a_bad_batch_order_and_a_nonlinear_cache():
+    from tests.tools.padded_attention_plugin import PaddedBackend
+
+    from kunlun_infer.ops.attention import AttentionSpec, CacheTensorSpec
+    from kunlun_infer.testing.attention import check_backend
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+
+    class Repeats(PaddedBackend):
+        def order_batch(self, query_lens, context_lens):
+            return [0] * len(query_lens)
+
+    class Scratch(PaddedBackend):
+        def kv_cache_tensors(self, num_blocks, block_size):
+            return (*super().kv_cache_tensors(num_blocks, block_size), CacheTensorSpec((64,), torch.float32))
+
+    with pytest.raises(ConformanceError, match=r"order_batch returned \[0, 0, 0\], not a permutation"):
+        check_backend(Repeats(spec), spec, torch.device("cpu"))
+    with pytest.raises(ConformanceError, match="same positive bytes per block"):
+        check_backend(Scratch(spec), spec, torch.device("cpu"))
+
+
+def test_suite_run_fails_a_broken_attention_backend(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[2]))  # the test plugin lives in this checkout
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "kunlun_infer.testing.suite", "-k", "attention_backend", "-p", "no:cacheprovider",
+        "--kunlun-register", "tests.tools.padded_attention_plugin", "--kunlun-plugin", "ops=padded-broken")
+    outcomes = result.parseoutcomes()
+    # 2 head shapes × 3 dtypes: every dtype the host computes in fails, the others are skipped
+    assert outcomes["failed"] >= 2 and outcomes["failed"] + outcomes.get("skipped", 0) == 6
+    assert "passed" not in outcomes
+    result.stdout.fnmatch_lines(["*attention backend 'padded'*attend output differs from the reference*"])

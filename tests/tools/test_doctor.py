@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +126,30 @@ def test_stage_3_finds_an_op_wrong_only_at_model_shapes(cli, tmp_path, pytester)
     repro = tmp_path / "test_kunlun_infer_repro_stage3_rms_norm.py"
     assert failure["repro"] == str(repro) and repro.with_suffix(".safetensors").is_file()
     pytester.runpytest(str(repro), "-p", "no:cacheprovider").assert_outcomes(failed=1)
+
+
+def test_stage_3_checks_an_attention_backend_and_names_a_wrong_one(cli, tmp_path, pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[2]))  # the repros import the test plugin
+    register = "register=tests.tools.padded_attention_plugin"
+    good = cli("doctor", register, "ops=padded", "stages=3", "--no-progress", "--json")
+    assert good.code == 0, good.out + good.err
+    stage = good.json()["stages"][2]
+    assert stage["data"]["attention_backend"] == "plugin"
+    assert any("attention backend matches the reference backend in float32" in d for d in stage["details"])
+    assert any("ops and attention backend equal the reference" in d for d in stage["details"])
+
+    result = cli("doctor", register, "ops=padded-broken", "stages=3", "--no-progress", "--json",
+                 "--repro-dir", tmp_path)
+    assert result.code == 1
+    failure = result.json()["stages"][2]["failure"]
+    assert (failure["plugin"], failure["hook"]) == ("padded-attention", "ops.attention_backend")
+    assert "attend output differs from the reference" in failure["message"]
+    repro = tmp_path / "test_kunlun_infer_repro_stage3_attention_backend.py"
+    assert failure["repro"] == str(repro)
+    pytester.runpytest(str(repro), "-p", "no:cacheprovider").assert_outcomes(failed=1)
+    healthy = tmp_path / "test_healthy.py"
+    healthy.write_text(repro.read_text().replace("'ops=padded-broken'", "'ops=padded'"))
+    pytester.runpytest(str(healthy), "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
 def test_stages_4_and_5_across_two_ranks(cli):

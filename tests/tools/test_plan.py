@@ -104,3 +104,47 @@ def test_engine_allocates_the_planned_kv_blocks(cli, tiny_model):
         finally:
             engine.close()
     assert abs(allocated - plan["num_blocks"]) <= 0.01 * plan["num_blocks"]
+
+
+def test_plan_and_engine_agree_on_kv_bytes_of_a_backend_with_its_own_layout(cli, tiny_model):
+    import tests.tools.fixed_memory_plugin as fixed
+    import tests.tools.padded_attention_plugin as padded
+    from kunlun_infer.engine.engine import LLMEngine
+    from kunlun_infer.runtime import PluginManager, Runtime, compose_config
+
+    overrides = ["device=fixedmem", "ops=padded", f"model.path={tiny_model}", "model.max_model_len=512",
+                 "scheduler.max_num_seqs=256", "scheduler.max_num_batched_tokens=64"]
+    register = ["register=tests.tools.fixed_memory_plugin", "register=tests.tools.padded_attention_plugin"]
+    plan = cli("plan", *register, *overrides, "--json").json()
+    kv = plan["kv"]
+    padded_bytes = 2 * 16 * 2 * (16 + padded.PAD) * 4  # K and V, 16 tokens, 2 KV heads, padded head, float32
+    assert kv["attention_backend"] == "padded" and kv["bytes_per_block"] == 2 * padded_bytes  # 2 layers
+    assert kv["layer_tensors"] == [{"name": "kv", "shape": [plan["num_blocks"], 2, 16, 2, 16 + padded.PAD],
+                                    "dtype": "float32"}]
+    text = cli("plan", *register, *overrides).out
+    assert "layout of attention backend 'padded', per layer: kv" in text
+
+    manager = PluginManager.load()
+    manager.register(fixed)
+    manager.register(padded)
+    cfg = compose_config(overrides, plugin_manager=manager)
+    with Runtime.from_config(cfg, plugin_manager=manager) as runtime:
+        engine = LLMEngine(cfg, runtime=runtime)
+        try:
+            blocks = engine.stats()["kv_blocks_total"]
+            allocated = sum(t.numel() * t.element_size() for layer in engine.runner.kv_caches for t in layer)
+        finally:
+            engine.close()
+    assert allocated == blocks * kv["bytes_per_block"]
+    assert abs(blocks - plan["num_blocks"]) <= 0.01 * plan["num_blocks"]
+
+
+def test_plan_for_a_card_you_do_not_have_asks_its_ops_plugin_for_the_layout(cli, llama_7b_config):
+    result = cli("plan", "register=tests.tools.padded_attention_plugin", "ops=padded",
+                 "register=tests.tools.unreachable_device_plugin", "device=unreachable",
+                 f"model.path={llama_7b_config}", "--device-memory", "80GiB", "--json")
+    assert result.code == 0, result.err
+    assert "device 'unreachable' not available" in result.err  # planned without a runtime
+    kv = result.json()["kv"]
+    assert kv["attention_backend"] == "padded"
+    assert kv["bytes_per_block"] == 32 * 2 * 16 * 32 * (128 + 8) * 2  # layers × K,V × tokens × heads × dim × fp16

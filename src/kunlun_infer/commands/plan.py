@@ -48,9 +48,15 @@ def _render(plan: Any) -> list[str]:
     ]
     width = max(len(r[0]) for r in rows)
     lines += [f"  {name:<{width}}  {format_bytes(value):>12}  {why}" for name, value, why in rows]
-    lines += ["", f"KV per token: 2 × {kv['num_layers']} layers × {kv['num_kv_heads_per_rank']} KV heads × "
-                  f"{kv['head_dim']} head dim × {d['bytes_per_param']} B = {format_bytes(kv['bytes_per_token'])}; "
-                  f"per block of {kv['block_size']} tokens: {format_bytes(kv['bytes_per_block'])}"]
+    if kv["attention_backend"] == "reference":
+        lines += ["", f"KV per token: 2 × {kv['num_layers']} layers × {kv['num_kv_heads_per_rank']} KV heads × "
+                      f"{kv['head_dim']} head dim × {d['bytes_per_param']} B = {format_bytes(kv['bytes_per_token'])}; "
+                      f"per block of {kv['block_size']} tokens: {format_bytes(kv['bytes_per_block'])}"]
+    else:
+        tensors = ", ".join(f"{t['name']} {tuple(t['shape'])} {t['dtype']}" for t in kv["layer_tensors"])
+        lines += ["", f"KV cache layout of attention backend '{kv['attention_backend']}', per layer: {tensors}",
+                  f"KV per block of {kv['block_size']} tokens over {kv['num_layers']} layers: "
+                  f"{format_bytes(kv['bytes_per_block'])} ({format_bytes(kv['bytes_per_token'])} per token)"]
     if d["fits"]:
         lines += [f"KV blocks: {d['num_blocks']} ({d['kv_tokens']} tokens) — memory allows {d['blocks_by_memory']}, "
                   f"scheduler.max_num_seqs={d['max_num_seqs']} × model.max_model_len={d['max_model_len']} uses at "
@@ -92,9 +98,11 @@ def run(inv: Invocation) -> int:
             raise
         print(f"device '{cfg.device.name}' not available ({exc}); planning without it", file=inv.stderr)
     try:
-        plan = make_plan(cfg, device_memory=device_memory, runtime=runtime, measure=not inv.flags["estimate"])
+        plan = make_plan(cfg, device_memory=device_memory, runtime=runtime, measure=not inv.flags["estimate"],
+                         plugin_manager=manager)
         others = [make_plan(with_overrides(cfg, parallel__tensor_size=n), device_memory=device_memory,
-                            runtime=runtime, measure=False) for n in inv.params["tensor_sizes"] or ()]
+                            runtime=runtime, measure=False, plugin_manager=manager)
+                  for n in inv.params["tensor_sizes"] or ()]
     finally:
         if runtime is not None:
             runtime.close()

@@ -6,10 +6,11 @@ NCCL or a chip's own) of a fixed-size int64 tensor: :data:`HEADER_LEN`
 numbers saying what to do, then room for :data:`INLINE_CAPACITY` numbers of
 payload. By kind:
 
-- ``STEP``: the payload is the flat batch — input ids, positions, KV slots,
-  block tables, sequence lengths, query starts, and which rows need logits;
-  a batch too large for the message follows in a second broadcast. Every
-  rank then runs the same forward; only rank 0 samples.
+- ``STEP``: the payload is the flat batch — input ids, positions, and the
+  neutral attention step (KV slots, query and context lengths, block
+  tables), and which rows need logits; a batch too large for the message
+  follows in a second broadcast. Every rank then builds its attention
+  backend's metadata and runs the same forward; only rank 0 samples.
 - ``KV``: the number of KV blocks each rank should now hold (0 = none).
 - ``LOAD``: a ``comm.broadcast_object`` with what to load (folder, dtype, …),
   answered by :func:`exchange_status` once every rank has loaded.
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from kunlun_infer.engine.model_runner import StepInputs
+from kunlun_infer.ops.attention_step import AttentionStep
 
 HEADER_LEN = 8
 #: payload numbers that travel inside the message (a decode step of dozens of sequences fits)
@@ -63,40 +65,36 @@ class RankStatus:
     error: str | None = None
 
 
-def _step_parts(inputs: StepInputs) -> list[torch.Tensor]:
-    attn = inputs.attn
-    return [inputs.input_ids, inputs.positions, attn.slot_mapping, attn.block_tables.reshape(-1), attn.seq_lens,
-            attn.query_start_loc, inputs.logits_indices]
-
-
 def pack_step(inputs: StepInputs) -> tuple[list[int], torch.Tensor]:
-    """The header numbers and the one int64 payload that describe ``inputs``."""
-    attn = inputs.attn
-    num_seqs, width = attn.block_tables.shape
-    header = [Kind.STEP, int(inputs.input_ids.numel()), int(num_seqs), int(width),
-              int(inputs.logits_indices.numel()), int(attn.max_query_len or 0), int(attn.max_seq_len or 0)]
-    return header, torch.cat([part.to(torch.int64) for part in _step_parts(inputs)])
+    """The header numbers and the one int64 payload that describe ``inputs`` (the neutral step, not metadata)."""
+    step = inputs.attn
+    table_lens = [len(t) for t in step.block_tables]
+    header = [Kind.STEP, step.num_tokens, step.num_seqs, sum(table_lens), int(inputs.logits_indices.numel()),
+              step.block_size]
+    lists = torch.tensor(step.slot_mapping + step.query_lens + step.context_lens + table_lens
+                         + [b for t in step.block_tables for b in t], dtype=torch.int64)
+    parts = [inputs.input_ids.cpu(), inputs.positions.cpu(), lists, inputs.logits_indices.cpu()]
+    return header, torch.cat([part.to(torch.int64) for part in parts])
 
 
 def payload_size(header: list[int]) -> int:
     """How many int64 numbers the payload of a ``STEP`` header holds."""
-    _, num_tokens, num_seqs, width, num_logits = header[:5]
-    return 3 * num_tokens + num_seqs * width + 2 * num_seqs + 1 + num_logits
+    _, num_tokens, num_seqs, num_table_entries, num_logits = header[:5]
+    return 3 * num_tokens + 3 * num_seqs + num_table_entries + num_logits
 
 
-def unpack_step(header: list[int], payload: torch.Tensor) -> StepInputs:
+def unpack_step(header: list[int], payload: torch.Tensor, device: torch.device | None = None) -> StepInputs:
     """The :class:`StepInputs` that :func:`pack_step` described (``sample_rows`` is unknown here: empty)."""
-    from kunlun_infer.layers.attention import AttentionMetadata
-
-    _, num_tokens, num_seqs, width, num_logits, max_query_len, max_seq_len = header[:7]
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs * width, num_seqs, num_seqs + 1, num_logits]
-    ids, positions, slots, tables, seq_lens, starts, logits_indices = payload.split(sizes)
-    attn = AttentionMetadata(
-        slot_mapping=slots, block_tables=tables.view(num_seqs, width).to(torch.int32),
-        seq_lens=seq_lens.to(torch.int32), query_start_loc=starts.to(torch.int32),
-        max_query_len=max_query_len or None, max_seq_len=max_seq_len or None,
-        is_decode_only=num_tokens == num_seqs)
-    return StepInputs(ids, positions, attn, logits_indices, [])
+    _, num_tokens, num_seqs, num_table_entries, num_logits, block_size = header[:6]
+    device = payload.device if device is None else device
+    sizes = [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs, num_table_entries, num_logits]
+    ids, positions, slots, query_lens, context_lens, table_lens, tables, logits_indices = payload.split(sizes)
+    flat_tables, tables_of = tables.tolist(), []
+    for n in table_lens.tolist():
+        tables_of.append(flat_tables[:n])
+        flat_tables = flat_tables[n:]
+    step = AttentionStep(block_size, query_lens.tolist(), context_lens.tolist(), tables_of, slots.tolist(), device)
+    return StepInputs(ids.to(device), positions.to(device), step, logits_indices.to(device), [])
 
 
 class ControlPlane:
@@ -149,7 +147,7 @@ class ControlPlane:
                 payload = message[HEADER_LEN:HEADER_LEN + size]
             else:
                 payload = self.comm.broadcast(torch.empty(size, dtype=torch.int64, device=self.device), 0)
-            return Message(kind, inputs=unpack_step(numbers, payload))
+            return Message(kind, inputs=unpack_step(numbers, payload, self.device))
         if kind is Kind.KV:
             return Message(kind, num_blocks=numbers[1])
         if kind is Kind.LOAD:

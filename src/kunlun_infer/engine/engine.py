@@ -36,7 +36,7 @@ from kunlun_infer.engine.failures import describe_failure
 from kunlun_infer.config import check_ranges, setting
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.intake import Prompt, PreparedRequest, RequestIntake
-from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, allocate_kv_caches, free_kv_caches, size_kv_cache
+from kunlun_infer.engine.kv_cache import KVBudget, size_kv_cache
 from kunlun_infer.engine.model_runner import ModelRunner, SampledToken
 from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.engine.params import SamplingParams
@@ -111,10 +111,11 @@ class LLMEngine:
             free_before_weights = self.parallel.min_free_bytes  # the tightest rank sizes the cache of all
         else:
             model = load_model(self.model_path, runtime=rt, dtype=self.dtype, max_model_len=self.max_model_len)
-        layout = KVLayout(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim, self.dtype)
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)))
         runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class
-        self.runner = runner_class(model, device=self.device, block_size=self.block_size, sampler=sampler)
+        self.runner = runner_class(model, device=self.device, block_size=self.block_size, sampler=sampler,
+                                   memory=rt.memory)
+        layout = self.runner.layout
         budget, chunked = int(cfg.scheduler.max_num_batched_tokens), bool(cfg.scheduler.chunked_prefill)
         if not chunked and budget < self.max_model_len:
             log.warning("scheduler.chunked_prefill=false: raising scheduler.max_num_batched_tokens from %d to "
@@ -122,7 +123,7 @@ class LLMEngine:
             budget = self.max_model_len
         max_num_seqs = int(cfg.scheduler.max_num_seqs)
         warm_tokens = min(budget, self.max_model_len)
-        activation_bytes = measure_activation_bytes(self.runner, rt.device, rt.memory, layout, arch, self.dtype,
+        activation_bytes = measure_activation_bytes(self.runner, rt.device, arch, self.dtype,
                                                     num_tokens=warm_tokens, num_seqs=max_num_seqs)
         #: how the KV cache was sized from memory (``None`` when ``cache.num_blocks`` fixes it)
         self.kv_budget: KVBudget | None = None
@@ -134,7 +135,7 @@ class LLMEngine:
                 weight_bytes=model.weight_nbytes(), activation_bytes=activation_bytes,
                 comm_bytes=rt.comm.buffer_bytes(), max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
             num_blocks = self.kv_budget.num_blocks
-        self.runner.kv_caches = allocate_kv_caches(rt.memory, layout, num_blocks)
+        self.runner.resize_kv_cache(num_blocks)  # on every tensor-parallel rank
         self.block_manager = BlockManager(num_blocks, self.block_size, bool(cfg.cache.prefix_caching))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    chunked_prefill=chunked)
@@ -356,8 +357,8 @@ class LLMEngine:
     def _release(self) -> None:
         runner = getattr(self, "runner", None)
         try:
-            if runner is not None and runner.kv_caches:
-                free_kv_caches(self.runtime.memory, runner.kv_caches)
+            if runner is not None:
+                runner.release_kv_cache()
         finally:
             self._closed = True
             try:

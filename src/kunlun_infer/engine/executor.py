@@ -4,9 +4,10 @@
 as child processes, or already started by torchrun — and joins the comm group
 with them. :meth:`~TensorParallelGroup.load_model` has every rank load its
 shard and report back; :class:`DriverRunner` broadcasts each step's flat
-batch before running rank 0's own forward, and its ``kv_caches`` assignments
-resize the workers' caches alike. While the engine is idle a heartbeat keeps
-the workers' collective timeout from firing.
+batch before running rank 0's own forward, and its explicit
+:meth:`~DriverRunner.resize_kv_cache` resizes the workers' caches alike.
+While the engine is idle a heartbeat keeps the workers' collective timeout
+from firing.
 
 Failure: a worker that dies makes the next collective fail at once (its
 connection closes) and the child's exit is noticed before each step; one that
@@ -257,19 +258,13 @@ class DriverRunner(ModelRunner):
 
     def __init__(self, model: torch.nn.Module, *, group: TensorParallelGroup, **kwargs: Any) -> None:
         self.group = group
-        self._kv_caches: list = []
         super().__init__(model, **kwargs)
 
-    @property
-    def kv_caches(self) -> list:
-        return self._kv_caches
-
-    @kv_caches.setter
-    def kv_caches(self, caches: list) -> None:
-        num_blocks = int(caches[0][0].shape[0]) if caches else 0
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Hold ``num_blocks`` KV blocks here, then tell every other rank to hold as many (a broadcast)."""
+        super().resize_kv_cache(num_blocks)
         with self.group.collective(f"resizing the KV cache to {num_blocks} blocks"):
             self.group.plane.send_kv(num_blocks)
-        self._kv_caches = caches
 
     def compute(self, inputs: StepInputs) -> torch.Tensor | None:
         with self.group.collective("a model step"):

@@ -1,44 +1,63 @@
-"""The paged KV cache's memory: how many blocks, and the per-layer K/V tensors.
+"""The paged KV cache's memory: how many blocks, and the per-layer cache tensors in the backend's layout.
 
-``cache.num_blocks`` fixes the count. Otherwise :func:`size_kv_cache` gives
+The attention backend decides what one layer's cache is made of
+(:meth:`~kunlun_infer.ops.attention.AttentionBackend.kv_cache_tensors`);
+:class:`KVLayout` turns that into bytes per block, the one figure both the
+engine and ``kunlun-infer plan`` size the cache with. ``cache.num_blocks``
+fixes the count. Otherwise :func:`size_kv_cache` gives
 the cache what remains of ``cache.memory_fraction`` of the device memory (free
 when the engine starts) after the weights, the activation peak of a warm-up
 step and the comm plugin's buffers, and never more blocks than the
 configured concurrency can fill (``max_num_seqs`` sequences of
 ``max_model_len`` tokens): on a host whose device memory is the machine's
 RAM, the default leaves the machine usable. Tensors come from the runtime's
-memory plugin and are zeroed, so no kernel ever reads garbage.
+memory plugin and are zeroed, so no kernel ever reads garbage; nothing here
+looks inside them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
 
 from kunlun_infer.capabilities import MemoryAllocator
-from kunlun_infer.errors import DeviceOutOfMemoryError
+from kunlun_infer.errors import DeviceOutOfMemoryError, PluginError
+from kunlun_infer.ops.attention import AttentionBackend, CacheTensorSpec, kv_cache_bytes
 
 log = logging.getLogger("kunlun_infer.framework")
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+#: one tuple of cache tensors per layer, in the attention backend's layout
+KVCaches = list[tuple[torch.Tensor, ...]]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class KVLayout:
-    """Shape of the cache: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V per layer."""
+    """The cache of a run: ``num_layers`` layers, each the backend's tensors for blocks of ``block_size`` tokens."""
 
     num_layers: int
     block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+    backend: AttentionBackend
 
-    @property
+    def layer_tensors(self, num_blocks: int) -> tuple[CacheTensorSpec, ...]:
+        """What one layer's cache of ``num_blocks`` blocks is made of."""
+        return tuple(self.backend.kv_cache_tensors(num_blocks, self.block_size))
+
+    @functools.cached_property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        """Bytes one block takes over all layers (the cache must grow linearly with its blocks)."""
+        one, several = kv_cache_bytes(self.layer_tensors(1)), kv_cache_bytes(self.layer_tensors(8))
+        if one <= 0 or several != 8 * one:
+            raise PluginError(f"attention backend '{self.backend.name}': a layer's cache takes {one} bytes for 1 "
+                              f"block and {several} for 8; it must take the same positive number of bytes per "
+                              f"block", hook="attention.kv_cache_tensors")
+        return self.num_layers * one
+
+    def nbytes(self, num_blocks: int) -> int:
+        """Bytes of the whole cache with ``num_blocks`` blocks."""
+        return num_blocks * self.bytes_per_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,16 +157,22 @@ def blocks_for_budget(layout: KVLayout, *, free_bytes: int, memory_fraction: flo
 
 
 def allocate_kv_caches(memory: MemoryAllocator, layout: KVLayout, num_blocks: int) -> KVCaches:
-    """Zeroed K and V tensors for every layer, from the memory plugin."""
-    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    """Zeroed cache tensors for every layer, in the backend's shapes, from the memory plugin."""
+    tensors = layout.layer_tensors(num_blocks)
     caches: KVCaches = []
+    layer: list[torch.Tensor] = []
     try:
         for _ in range(layout.num_layers):
-            k = memory.allocate(shape, layout.dtype)
-            caches.append((k, k))  # placeholder until V exists, so a failure frees K once
-            v = memory.allocate(shape, layout.dtype)
-            caches[-1] = (k.zero_(), v.zero_())
+            layer = []
+            for spec in tensors:
+                layer.append(memory.allocate(spec.shape, spec.dtype))
+            for t in layer:
+                t.zero_()
+            caches.append(tuple(layer))
+            layer = []
     except BaseException:
+        for t in layer:  # the layer being built when it failed
+            memory.free(t)
         free_kv_caches(memory, caches)
         raise
     return caches
@@ -155,8 +180,7 @@ def allocate_kv_caches(memory: MemoryAllocator, layout: KVLayout, num_blocks: in
 
 def free_kv_caches(memory: MemoryAllocator, caches: KVCaches) -> None:
     """Give every cache tensor back to the memory plugin."""
-    for k, v in caches:
-        memory.free(k)
-        if v is not k:
-            memory.free(v)
+    for layer in caches:
+        for t in layer:
+            memory.free(t)
     caches.clear()

@@ -1,31 +1,42 @@
 """Run one scheduled step through the model: build the flat batch, forward, sample.
 
-Every sequence's new tokens are laid end to end in one flat batch; the
-per-token tensors (positions, KV slots, which row belongs to which sequence)
-are computed with a handful of tensor ops from per-sequence numbers, not a
-loop over tokens. Only sequences whose known tokens are all computed after
-this step (a finished prompt, a decode) send their last hidden state through
-the LM head and the sampler; a prompt chunk in the middle just fills the
-cache. A request asking for ``prompt_logprobs`` also sends the rows that
-score its prompt through the LM head, chunk by chunk (see
-``engine/prompt_logprobs.py``). A sampled row can be drawn from by more
-sequences than its own (``co_samples``: the samples of an ``n > 1`` request
-drawing their first token from its prompt, see ``engine/sample_group.py``).
+Every sequence's new tokens are laid end to end in one flat batch, in the
+order the attention backend asks for (``order_batch``; e.g. decodes first);
+the per-token tensors (positions, KV slots) are computed with a handful of
+tensor ops from per-sequence numbers, not a loop over tokens. The step's
+attention work is described neutrally (:class:`AttentionStep`, host lists)
+and the backend builds its own metadata from it. Only sequences whose known
+tokens are all computed after this step (a finished prompt, a decode) send
+their last hidden state through the LM head and the sampler; a prompt chunk
+in the middle just fills the cache. A request asking for ``prompt_logprobs``
+also sends the rows that score its prompt through the LM head, chunk by
+chunk (see ``engine/prompt_logprobs.py``). A sampled row can be drawn from
+by more sequences than its own (``co_samples``: the samples of an ``n > 1``
+request drawing their first token from its prompt, see
+``engine/sample_group.py``). Batch rows are the scheduler's, whatever the
+flat order.
+
+The runner owns the KV cache: :meth:`ModelRunner.resize_kv_cache` allocates
+it through the memory plugin in the backend's layout; nothing here looks
+inside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 
 import torch
 
-from kunlun_infer.engine.kv_cache import KVCaches
+from kunlun_infer.capabilities import MemoryAllocator
+from kunlun_infer.engine.kv_cache import KVCaches, KVLayout, allocate_kv_caches, free_kv_caches
 from kunlun_infer.engine.prompt_logprobs import (PromptSpan, ScoredPrompt, gather_prompt_logprobs, prompt_spans,
                                                 span_indices)
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch
 from kunlun_infer.engine.sequence import Sequence
+from kunlun_infer.ops.attention_step import AttentionStep
 
 
 @dataclasses.dataclass
@@ -34,7 +45,8 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn: object  # layers.attention.AttentionMetadata
+    #: the step's attention work in flat-batch order, from which the backend builds its metadata
+    attn: AttentionStep
     logits_indices: torch.Tensor
     sample_rows: list[int]
     #: rows scoring prompt tokens for ``prompt_logprobs``; their logits follow the sampled rows' in order
@@ -59,55 +71,78 @@ class StepResult:
     prompt_logprobs: list[ScoredPrompt] = dataclasses.field(default_factory=list)
 
 
-def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_size: int,
-                      device: torch.device) -> StepInputs:
-    """The flat batch for ``seqs`` computing ``num_new_tokens`` tokens each (host work, then one copy)."""
-    from kunlun_infer.layers.attention import AttentionMetadata
+def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_size: int, device: torch.device,
+                      order: Seq[int] | None = None) -> StepInputs:
+    """The flat batch for ``seqs`` computing ``num_new_tokens`` tokens each (host work, then one copy).
 
-    starts = [s.num_computed_tokens for s in seqs]
+    ``order``: the batch rows in the order their tokens are laid out (default:
+    as given). ``sample_rows`` and ``prompt_spans`` speak of batch rows.
+    """
+    order = list(range(len(seqs))) if order is None else list(order)
+    starts = [seqs[i].num_computed_tokens for i in order]
+    counts = [num_new_tokens[i] for i in order]
     input_ids: list[int] = []
-    for seq, start, n in zip(seqs, starts, num_new_tokens):
-        input_ids.extend(seq.token_ids[start:start + n])
+    for i, start, n in zip(order, starts, counts):
+        input_ids.extend(seqs[i].token_ids[start:start + n])
     num_tokens = len(input_ids)
-    new = torch.tensor(num_new_tokens, dtype=torch.int64)
+    new = torch.tensor(counts, dtype=torch.int64)
     start_t = torch.tensor(starts, dtype=torch.int64)
     query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int64)
     torch.cumsum(new, 0, out=query_start_loc[1:])
-    seq_lens = start_t + new
     row_of_token = torch.repeat_interleave(torch.arange(len(seqs)), new, output_size=num_tokens)
     positions = torch.arange(num_tokens) + (start_t - query_start_loc[:-1]).index_select(0, row_of_token)
-    width = max(len(s.block_table) for s in seqs)
-    block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                                dtype=torch.int32)
-    blocks = block_tables[row_of_token, positions // block_size].to(torch.int64)
-    slot_mapping = blocks * block_size + positions % block_size
-    sample_rows = [i for i, s in enumerate(seqs) if starts[i] + num_new_tokens[i] == len(s)]
-    logits_indices = query_start_loc[1:].index_select(0, torch.tensor(sample_rows, dtype=torch.int64)) - 1
-    spans = prompt_spans(seqs, starts, num_new_tokens)
+    tables = [list(seqs[i].block_table) for i in order]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    slot_mapping = padded[row_of_token, positions // block_size] * block_size + positions % block_size
+    step = AttentionStep(block_size, counts, starts, tables, slot_mapping.tolist(), device)
+    row_starts = torch.empty(len(seqs), dtype=torch.int64)  # where each batch row's tokens start
+    row_starts[torch.tensor(order, dtype=torch.int64)] = query_start_loc[:-1]
+    computed = [s.num_computed_tokens for s in seqs]
+    sample_rows = [i for i, s in enumerate(seqs) if computed[i] + num_new_tokens[i] == len(s)]
+    rows = torch.tensor(sample_rows, dtype=torch.int64)
+    logits_indices = row_starts.index_select(0, rows) + torch.tensor(num_new_tokens).index_select(0, rows) - 1
+    spans = prompt_spans(seqs, computed, num_new_tokens)
     if spans:
-        logits_indices = torch.cat([logits_indices, span_indices(spans, query_start_loc)])
-    attn = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device),
-        seq_lens=seq_lens.to(torch.int32).to(device),
-        query_start_loc=query_start_loc.to(torch.int32).to(device),
-        max_query_len=max(num_new_tokens),
-        max_seq_len=max(s + n for s, n in zip(starts, num_new_tokens)),
-        is_decode_only=num_tokens == len(seqs),
-    )
-    return StepInputs(torch.tensor(input_ids, dtype=torch.int64).to(device), positions.to(device), attn,
+        logits_indices = torch.cat([logits_indices, span_indices(spans, row_starts)])
+    return StepInputs(torch.tensor(input_ids, dtype=torch.int64).to(device), positions.to(device), step,
                       logits_indices.to(device), sample_rows, spans)
 
 
 class ModelRunner:
-    """Owns the model, its KV caches and the sampler; turns a scheduled batch into sampled tokens."""
+    """Owns the model, its KV cache and the sampler; turns a scheduled batch into sampled tokens."""
 
-    def __init__(self, model: torch.nn.Module, *, device: torch.device, block_size: int, sampler: Sampler) -> None:
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, block_size: int, sampler: Sampler | None,
+                 memory: MemoryAllocator) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         self.sampler = sampler
-        self.kv_caches: KVCaches = []
+        self.memory = memory
+        #: the attention backend of the model's layers: it owns the cache layout and the step metadata
+        self.attention = model.attention
+        self.layout = KVLayout(model.num_layers, block_size, self.attention)
+        self._kv_caches: KVCaches = []
+
+    # ------------------------------------------------------------------ the KV cache
+
+    @property
+    def kv_caches(self) -> KVCaches:
+        """One tuple of cache tensors per layer, in the backend's layout (empty when none is allocated)."""
+        return self._kv_caches
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Hold exactly ``num_blocks`` KV blocks (0 = none): the old cache is freed, a zeroed one allocated."""
+        self.release_kv_cache()
+        if num_blocks > 0:
+            self._kv_caches = allocate_kv_caches(self.memory, self.layout, num_blocks)
+
+    def release_kv_cache(self) -> None:
+        """Give this process's cache back to the memory plugin (nothing is sent to other ranks)."""
+        free_kv_caches(self.memory, self._kv_caches)
+
+    # ------------------------------------------------------------------ steps
+
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, co_samples: Mapping[int, list[Sequence]] | None = None) -> StepResult:
@@ -117,7 +152,8 @@ class ModelRunner:
         the sequence with that id, when it is sampled, besides itself. Each
         draw uses the drawing sequence's params, history and ``generator``.
         """
-        inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device)
+        order = self.attention.order_batch(batch.num_new_tokens, [s.num_computed_tokens for s in batch.seqs])
+        inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device, order)
         logits = self.compute(inputs)
         if logits is None:
             return StepResult()
@@ -145,7 +181,8 @@ class ModelRunner:
 
         Tensor-parallel ranks other than 0 call this alone (they do not sample).
         """
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        metadata = self.attention.build_metadata(inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, metadata, self._kv_caches)
         if inputs.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

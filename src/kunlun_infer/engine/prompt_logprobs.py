@@ -41,13 +41,16 @@ def prompt_spans(seqs: Seq[Sequence], starts: Seq[int], num_new_tokens: Seq[int]
     return spans
 
 
-def span_indices(spans: list[PromptSpan], query_start_loc: torch.Tensor) -> torch.Tensor:
-    """Flat-batch indices (int64) of the hidden states that score ``spans``, in span order."""
+def span_indices(spans: list[PromptSpan], row_starts: torch.Tensor) -> torch.Tensor:
+    """Flat-batch indices (int64) of the hidden states that score ``spans``, in span order.
+
+    ``row_starts[r]``: where batch row ``r``'s new tokens start in the flat batch.
+    """
     if not spans:
         return torch.zeros(0, dtype=torch.int64)
     counts = torch.tensor([s.count for s in spans], dtype=torch.int64)
-    # row r's first scoring hidden state is its own first new token: query_start_loc[r]
-    offsets = query_start_loc.index_select(0, torch.tensor([s.row for s in spans], dtype=torch.int64))
+    # row r's first scoring hidden state is its own first new token: row_starts[r]
+    offsets = row_starts.index_select(0, torch.tensor([s.row for s in spans], dtype=torch.int64))
     total = int(counts.sum())
     span_of = torch.repeat_interleave(torch.arange(len(spans)), counts, output_size=total)
     first_of_span = torch.cumsum(counts, 0) - counts

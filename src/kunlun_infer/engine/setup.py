@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from kunlun_infer.capabilities import Device, MemoryAllocator
-from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, free_kv_caches
+from kunlun_infer.capabilities import Device
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.scheduler import ScheduledBatch
 from kunlun_infer.dtypes import DTYPES
@@ -77,32 +76,34 @@ def estimate_activation_bytes(arch: Any, dtype: torch.dtype, num_tokens: int, nu
     return num_tokens * per_token + attention_scores + logits
 
 
-def measure_activation_bytes(runner: Any, device: Device, memory: MemoryAllocator, layout: KVLayout, arch: Any,
-                             dtype: torch.dtype, *, num_tokens: int, num_seqs: int) -> int:
+def measure_activation_bytes(runner: Any, device: Device, arch: Any, dtype: torch.dtype, *, num_tokens: int,
+                             num_seqs: int) -> int:
     """Run :func:`warm_up` and return its activation peak: the drop in free device memory the step
     leaves behind, or the estimate from the model's shapes when that is larger (or not reported)."""
     free_before = device.mem_get_info()[0]
-    warm_up(runner, memory, layout, num_tokens=num_tokens, num_seqs=num_seqs)
+    warm_up(runner, num_tokens=num_tokens, num_seqs=num_seqs)
     measured = max(0, free_before - device.mem_get_info()[0])
     return max(measured, estimate_activation_bytes(arch, dtype, num_tokens, num_seqs))
 
 
-def warm_up(runner: Any, memory: MemoryAllocator, layout: KVLayout, *, num_tokens: int, num_seqs: int) -> None:
-    """Run one full-size step (a long prompt and short ones, all sampled) on a scratch KV cache."""
+def warm_up(runner: Any, *, num_tokens: int, num_seqs: int) -> None:
+    """Run one full-size step (a long prompt and short ones, all sampled) on a scratch KV cache.
+
+    The runner must hold no cache yet: the scratch one is allocated (on every
+    rank, for a tensor-parallel runner) and freed again.
+    """
     num_seqs = max(1, min(num_seqs, num_tokens))
     lengths = [num_tokens - (num_seqs - 1)] + [1] * (num_seqs - 1)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     seqs, next_block = [], 0
     for i, n in enumerate(lengths):
         seq = Sequence(-1 - i, f"warm-up-{i}", [0] * n, params)
-        blocks = -(-n // layout.block_size)
+        blocks = -(-n // runner.block_size)
         seq.block_table = list(range(next_block, next_block + blocks))
         next_block += blocks
         seqs.append(seq)
-    scratch = allocate_kv_caches(memory, layout, next_block)
-    kept, runner.kv_caches = runner.kv_caches, scratch
+    runner.resize_kv_cache(next_block)
     try:
         runner.execute(ScheduledBatch(seqs, lengths, num_prefill_tokens=num_tokens))
     finally:
-        runner.kv_caches = kept
-        free_kv_caches(memory, scratch)
+        runner.resize_kv_cache(0)

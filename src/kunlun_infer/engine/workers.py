@@ -28,7 +28,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine.distributed import ControlPlane, Kind, exchange_status
-from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, free_kv_caches
 from kunlun_infer.engine.launch import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.engine.model_runner import ModelRunner
 
@@ -43,7 +42,6 @@ class Worker:
         self.rank = runtime.comm.rank
         self.plane = ControlPlane(runtime.comm, runtime.device.torch_device)
         self.runner: ModelRunner | None = None
-        self.layout: KVLayout | None = None
 
     def serve(self) -> None:
         """Handle messages until ``STOP``; a failed collective raises (rank 0 died, hung or stopped talking)."""
@@ -62,7 +60,7 @@ class Worker:
                         self.runner.compute(message.inputs)
         finally:
             if self.runner is not None:
-                free_kv_caches(self.runtime.memory, self.runner.kv_caches)
+                self.runner.release_kv_cache()
 
     def load(self, spec: dict[str, Any]) -> bool:
         """Load this rank's shard; every rank then learns who succeeded. True when all did."""
@@ -75,8 +73,7 @@ class Worker:
             model = load_model(spec["model_path"], runtime=self.runtime, dtype=dtype, tp_rank=self.rank,
                                tp_size=self.runtime.comm.world_size, max_model_len=spec["max_model_len"])
             self.runner = ModelRunner(model, device=self.runtime.device.torch_device,
-                                      block_size=spec["block_size"], sampler=None)
-            self.layout = KVLayout(model.num_layers, spec["block_size"], model.num_kv_heads, model.head_dim, dtype)
+                                      block_size=spec["block_size"], sampler=None, memory=self.runtime.memory)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
             log.error("rank %d could not load the model: %s", self.rank, exc)
             error = f"{type(exc).__name__}: {exc}"
@@ -86,9 +83,7 @@ class Worker:
 
     def resize_kv(self, num_blocks: int) -> None:
         """Hold exactly ``num_blocks`` KV blocks (the same number as rank 0)."""
-        free_kv_caches(self.runtime.memory, self.runner.kv_caches)
-        if num_blocks > 0:
-            self.runner.kv_caches = allocate_kv_caches(self.runtime.memory, self.layout, num_blocks)
+        self.runner.resize_kv_cache(num_blocks)
 
 
 def serve_rank(cfg: DictConfig, place: Place, init_method: str | None) -> None:

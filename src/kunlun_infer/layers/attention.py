@@ -1,42 +1,25 @@
-"""Attention over a paged KV cache: store this step's K/V, then attend through the op table.
+"""Attention over the paged KV cache: store this step's K/V, then attend, through the run's attention backend.
 
 One path serves prefill, chunked prefill on top of a cached prefix, and
 decode: the new tokens of every sequence in the step are laid end to end
-(a flat batch), ``ops.store_kv`` writes their keys and values to the slots the
-block manager gave them, and ``ops.paged_attention`` attends each new query
-over its sequence's whole context through the block table.
+(a flat batch). The backend (``ctx.attention``: the ops plugin's own, or the
+reference backend over the op table's ``store_kv`` and ``paged_attention``)
+writes their keys and values into this layer's cache and attends each new
+query over its sequence's whole context. The layer never looks inside the
+cache or the step's metadata: both belong to the backend.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 
 from kunlun_infer.layers.context import LayerContext
+from kunlun_infer.ops.reference_attention import AttentionMetadata
 
-
-@dataclasses.dataclass
-class AttentionMetadata:
-    """Where the step's tokens sit in the paged cache.
-
-    ``slot_mapping``: ``[T]`` int64, flat KV slot (``block * block_size +
-    offset``) of each new token (negative = padding, not stored).
-    ``block_tables``: ``[B, max_blocks]`` int32. ``seq_lens``: ``[B]`` int32,
-    context length of each sequence *including* its new tokens.
-    ``query_start_loc``: ``[B + 1]`` int32; the new tokens of sequence ``i`` are
-    rows ``query_start_loc[i]:query_start_loc[i + 1]``. The optional host-side
-    facts let kernels pick a fast path; ``None`` means unknown.
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    max_query_len: int | None = None
-    max_seq_len: int | None = None
-    is_decode_only: bool | None = None
+__all__ = ["Attention", "AttentionMetadata"]
 
 
 class Attention(nn.Module):
@@ -48,10 +31,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``q``: ``[T, Hq, D]``, ``k``/``v``: ``[T, Hk, D]`` → ``[T, Hq, D]``."""
-        k_cache, v_cache = kv_cache
-        self.ctx.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        return self.ctx.ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
-                                            attn.query_start_loc, self.scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Any,
+                kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``q``: ``[T, Hq, D]``, ``k``/``v``: ``[T, Hk, D]``, ``attn``: the backend's metadata → ``[T, Hq, D]``."""
+        backend = self.ctx.attention
+        backend.store_kv(k, v, kv_cache, attn)
+        return backend.attend(q, k, v, kv_cache, attn, scale=self.scale)

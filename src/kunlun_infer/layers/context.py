@@ -2,7 +2,8 @@
 
 Layers never reach for a device or a global: a :class:`LayerContext` is passed
 in when a model is built. ``ops`` is the runtime's resolved op table (attribute
-access, ``ops.linear(...)``); ``comm`` is the runtime's Comm, used only when
+access, ``ops.linear(...)``); ``attention`` the attention backend that owns
+the KV cache's layout and kernels; ``comm`` is the runtime's Comm, used only when
 ``tp_size > 1``; ``streams`` is set only when the streams plugin has a comm
 stream of its own, so that all-reduces can overlap computation. This module
 also holds the few helpers layers share to read their shard of a checkpoint
@@ -33,6 +34,8 @@ class LayerContext:
     accumulate_dtype: torch.dtype | None = None
     #: the runtime's streams when its comm stream is distinct (``streams.overlaps``); ``None`` = inline collectives
     streams: Any = None
+    #: the run's attention backend (:class:`kunlun_infer.ops.attention.AttentionBackend`)
+    attention: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

@@ -113,23 +113,32 @@ class MergedColumnParallelLinear(LinearBase):
         super().__init__(offset, input_size, bias, ctx, parts)
 
 
+def heads_per_rank(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """``(query heads, key/value heads)`` one of ``tp_size`` ranks holds.
+
+    With fewer KV heads than ranks, each rank keeps a copy of the one KV head
+    its queries use.
+    """
+    local_heads = divide(num_heads, tp_size, "attention heads")
+    if num_kv_heads >= tp_size:
+        return local_heads, divide(num_kv_heads, tp_size, "key/value heads")
+    if tp_size % num_kv_heads:
+        raise ValueError(f"tensor-parallel size {tp_size} neither divides nor is a multiple of the "
+                         f"{num_kv_heads} key/value heads")
+    return local_heads, 1
+
+
 class QKVParallelLinear(LinearBase):
     """Query, key and value projections in one matmul, split by heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  ctx: LayerContext):
         tp, rank = ctx.tp_size, ctx.tp_rank
-        local_heads = divide(num_heads, tp, "attention heads")
+        local_heads, local_kv_heads = heads_per_rank(num_heads, num_kv_heads, tp)
         if num_kv_heads >= tp:
-            local_kv_heads = divide(num_kv_heads, tp, "key/value heads")
             kv_head_start = rank * local_kv_heads
-        else:  # fewer KV heads than ranks: each rank keeps a copy of the head its queries use
-            if tp % num_kv_heads:
-                raise ValueError(f"tensor-parallel size {tp} neither divides nor is a multiple of the "
-                                 f"{num_kv_heads} key/value heads")
-            replicas = tp // num_kv_heads
-            local_kv_heads = 1
-            kv_head_start = rank // replicas
+        else:  # one replicated KV head per group of tp // num_kv_heads ranks
+            kv_head_start = rank // (tp // num_kv_heads)
         q_size, kv_size = local_heads * head_dim, local_kv_heads * head_dim
         parts = {
             "q": _Part((num_heads * head_dim, hidden_size), 0, 0, rank * q_size, q_size),

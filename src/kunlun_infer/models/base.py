@@ -1,10 +1,12 @@
 """The interface every model implements, and the weight bookkeeping they share.
 
 A :class:`CausalLM` turns a flat batch of new tokens (with their positions and
-the paged-cache metadata) into hidden states, and hidden states into float32
-logits over the full vocabulary. It computes only through the op table it was
-built with and declares the ops it needs in ``required_ops`` so the runtime
-can resolve them before the first step. Its layers say which checkpoint
+the attention backend's metadata for the step) into hidden states, and
+hidden states into float32 logits over the full vocabulary. It computes only
+through the op table and the attention backend it was built with; it
+declares the ops it needs in ``required_ops`` and its attention in
+:meth:`CausalLM.attention_spec` so the runtime can resolve both before the
+first step. Its layers say which checkpoint
 tensors they read (``weight_specs``); :meth:`CausalLM.checkpoint_tensors`
 turns those into Hugging Face tensor names for the loader.
 """
@@ -16,17 +18,19 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kunlun_infer.layers import AttentionMetadata, LayerContext, WeightSpec
+from kunlun_infer.layers import LayerContext, WeightSpec
+from kunlun_infer.layers.linear import heads_per_rank
 from kunlun_infer.models.config import ModelArchConfig
+from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
 
 
 class CausalLM(nn.Module):
     """A decoder-only language model over a paged KV cache."""
 
-    #: ops from ``kunlun_infer.ops.OP_SPECS`` this model calls
+    #: ops from ``kunlun_infer.ops.OP_SPECS`` this model calls (attention's own come from its backend)
     required_ops: ClassVar[tuple[str, ...]] = (
         "embedding", "rms_norm", "add_rms_norm", "rotary_embedding", "pack_linear_weight", "linear",
-        "silu_and_mul", "store_kv", "paged_attention")
+        "silu_and_mul")
     #: checkpoint module name -> (this model's merged module, shard id)
     packed_modules: ClassVar[dict[str, tuple[str, Any]]] = {}
     #: checkpoint tensors that carry nothing this model needs (name suffixes)
@@ -42,9 +46,24 @@ class CausalLM(nn.Module):
         self.config = config
         self.ctx = ctx
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """``[T]`` token ids and positions → ``[T, hidden]``; writes the tokens' K/V to ``kv_caches``."""
+    @classmethod
+    def attention_spec(cls, config: ModelArchConfig, *, dtype: torch.dtype, tp_size: int = 1) -> AttentionSpec:
+        """The attention this model's layers need on one of ``tp_size`` ranks (``ValueError`` if it cannot split)."""
+        heads, kv_heads = heads_per_rank(config.num_attention_heads, config.num_key_value_heads, tp_size)
+        return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=config.head_dim, dtype=dtype)
+
+    @property
+    def attention(self) -> AttentionBackend:
+        """The attention backend the layers store and attend with (it owns the KV cache layout)."""
+        return self.ctx.attention
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """``[T]`` token ids and positions → ``[T, hidden]``; the backend writes the tokens' K/V to ``kv_caches``.
+
+        ``attn``: the attention backend's metadata for the step; ``kv_caches``:
+        one tuple of cache tensors per layer, in the backend's layout.
+        """
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,13 @@ norm, tied embeddings) cover the Qwen2 and Qwen3 variants as well, so
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from kunlun_infer.layers import (
     Attention,
-    AttentionMetadata,
     LayerContext,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -43,8 +44,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ctx)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: Any,
+                kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -78,7 +79,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+                attn: Any, kv_cache: tuple[torch.Tensor, ...]):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -98,8 +99,8 @@ class LlamaModel(nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, attn, kv_cache)
@@ -123,8 +124,8 @@ class LlamaForCausalLM(CausalLM):
         self.head_dim = config.head_dim
         self.max_positions = max_positions
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         return self.model(input_ids, positions, attn, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.models.config import ModelArchConfig, load_model_config, read_json
 from kunlun_infer.models.llama import LlamaForCausalLM
 from kunlun_infer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kunlun_infer.runtime.attention import resolve_attention
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -175,7 +176,9 @@ def load_model(model_dir: str | Path, *, runtime: Any, dtype: torch.dtype, tp_ra
     """Load the model in ``model_dir`` for rank ``tp_rank`` of ``tp_size`` on the runtime's device.
 
     ``max_model_len`` sizes the rotary table (default: the model's
-    ``max_context_len``). Ops are resolved through ``runtime.resolve_ops``.
+    ``max_context_len``). Ops are resolved through ``runtime.resolve_ops``;
+    attention is served by the ops plugin's backend when it has one
+    (``runtime.attention_backend``), else by the reference backend.
     """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
@@ -185,7 +188,12 @@ def load_model(model_dir: str | Path, *, runtime: Any, dtype: torch.dtype, tp_ra
     config.check_max_model_len(max_model_len)
     index = checkpoint_index(model_dir)
     cls = model_class(config)
-    ctx = LayerContext(ops=runtime.resolve_ops(cls.required_ops), device=runtime.device.torch_device,
+    try:
+        spec = cls.attention_spec(config, dtype=dtype, tp_size=tp_size)
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: cannot split this model over {tp_size} ranks: {e}") from e
+    ops, attention = resolve_attention(runtime, cls.required_ops, spec)
+    ctx = LayerContext(ops=ops, device=runtime.device.torch_device, attention=attention,
                        dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, comm=runtime.comm if tp_size > 1 else None,
                        streams=_overlap_streams(runtime, tp_size))
     try:

@@ -22,6 +22,8 @@ from kunlun_infer.capabilities import Comm, Device, MemoryAllocator, OpsProvider
 from kunlun_infer.config import setting
 from kunlun_infer.errors import ConfigError, PluginError
 from kunlun_infer.hookspecs import CAPABILITIES
+from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
+from kunlun_infer.runtime.attention import plugin_attention_backend
 from kunlun_infer.runtime.config_checks import refuse_targets
 from kunlun_infer.runtime.guard import guard, guarded_call, unwrap
 from kunlun_infer.runtime.log import runtime_log
@@ -51,6 +53,7 @@ class Runtime:
         self._objects = objects  # capability → guard
         self._providers = providers  # capability → plugin name
         self._warned_fallbacks: set[str] = set()
+        self._announced_backends: set[AttentionSpec] = set()
         self._closed = False
         self._lock = threading.Lock()
 
@@ -145,6 +148,15 @@ class Runtime:
             runtime_log.warning("ops plugin '%s' lacks %d op(s), using the plain-torch reference: %s "
                                 "(set ops.strict=true to refuse)", self._providers["ops"], len(new), ", ".join(new))
         return table
+
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackend | None:
+        """The ops plugin's attention backend for ``spec`` (guarded), or ``None`` when the reference serves."""
+        backend = plugin_attention_backend(unwrap(self.ops), self._providers["ops"], spec)
+        if backend is not None and spec not in self._announced_backends:
+            self._announced_backends.add(spec)
+            runtime_log.info("ops plugin '%s' serves attention with its backend '%s'", self._providers["ops"],
+                             backend.name)
+        return backend
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -7,7 +7,9 @@ Run them against the plugins chosen by Hydra overrides::
 or import them into a test module of your own (``from kunlun_infer.testing.suite import *``)
 and pass ``--kunlun-plugin`` (or set ``KUNLUN_INFER_CONFORMANCE``). Without
 either, the built-in CPU plugins are tested. An op the ops plugin does not
-provide is reported as skipped: runs use the reference for it.
+provide is reported as skipped: runs use the reference for it; so is the
+attention backend of an ops plugin that has none (runs use the reference
+backend over its ``store_kv`` and ``paged_attention``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
 from kunlun_infer.runtime import compose_config
+from kunlun_infer.testing.attention import DEFAULT_SHAPES, check_backend
 from kunlun_infer.testing.comm import check_collectives, run_collectives
 from kunlun_infer.testing.device import check_device, check_device_lifecycle
 from kunlun_infer.testing.harness import plugin_manager
@@ -24,7 +27,7 @@ from kunlun_infer.testing.ops import check_op
 from kunlun_infer.testing.streams import check_streams
 
 __all__ = [
-    "test_collectives_exact", "test_device_conformance", "test_device_lifecycle", "test_memory_allocations",
+    "test_attention_backend_matches_reference", "test_collectives_exact", "test_device_conformance", "test_device_lifecycle", "test_memory_allocations",
     "test_memory_out_of_memory", "test_memory_reuse_and_empty_cache", "test_op_matches_reference",
     "test_streams_ordering_and_events",
 ]
@@ -62,6 +65,22 @@ def test_op_matches_reference(kunlun_runtime, op, dtype):
     if dtype not in device.supported_dtypes():
         pytest.skip(f"device '{device.name}' does not support {dtype}")
     check_op(provider, op, dtype, device.torch_device)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", DEFAULT_SHAPES, ids=lambda s: "q{}-kv{}-d{}".format(*s))
+def test_attention_backend_matches_reference(kunlun_runtime, shape, dtype):
+    from kunlun_infer.ops.attention import AttentionSpec
+
+    device = kunlun_runtime.device
+    if dtype not in device.supported_dtypes():
+        pytest.skip(f"device '{device.name}' does not support {dtype}")
+    spec = AttentionSpec(num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], dtype=dtype)
+    backend = kunlun_runtime.ops.attention_backend(spec)
+    if backend is None:
+        pytest.skip(f"ops plugin '{kunlun_runtime.plugin_for('ops')}' has no attention backend for this shape; "
+                    f"runs use the reference backend over its store_kv and paged_attention")
+    check_backend(backend, spec, device.torch_device)
 
 
 def test_streams_ordering_and_events(kunlun_runtime):

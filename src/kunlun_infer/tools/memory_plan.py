@@ -1,8 +1,11 @@
 """The memory plan: where a device's memory goes, and the KV blocks and concurrency that leaves.
 
 Weights are parameters (per tensor-parallel rank) × bytes per parameter,
-counted from ``config.json`` alone; KV bytes per token are ``2 × layers ×
-kv_heads/tp × head_dim × bytes``; the activation peak is measured by the
+counted from ``config.json`` alone; KV bytes per block are what the attention
+backend of the chosen ops plugin lays out per layer, times the layers (with
+the reference backend: ``2 × layers × kv_heads/tp × head_dim × bytes`` per
+token), through the same :class:`~kunlun_infer.engine.kv_cache.KVLayout` the
+engine allocates with; the activation peak is measured by the
 engine's own warm-up step when the weights are present and the plan is for
 this device, estimated from the model's shapes otherwise; comm buffers come
 from the comm plugin. The rest of ``cache.memory_fraction × device memory``
@@ -22,6 +25,8 @@ from omegaconf import DictConfig, open_dict
 
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, size_kv_cache
+from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
+from kunlun_infer.ops.reference_attention import ReferenceAttentionBackend
 from kunlun_infer.tools.model_shapes import ModelShapes, model_shapes
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -70,9 +75,12 @@ class MemoryPlan:
             "activations": b.activation_bytes, "activation_source": self.activation_source,
             "warm_up_tokens": self.warm_up_tokens, "comm": self.comm, "comm_buffers": b.comm_bytes,
             "kv_cache": max(0, b.kv_bytes),
-            "kv": {"num_layers": self.layout.num_layers, "num_kv_heads_per_rank": self.layout.num_kv_heads,
-                   "head_dim": self.layout.head_dim, "bytes_per_token": self.kv_bytes_per_token,
-                   "block_size": self.layout.block_size, "bytes_per_block": self.layout.bytes_per_block},
+            "kv": {"num_layers": self.layout.num_layers, "num_kv_heads_per_rank": s.num_kv_heads,
+                   "head_dim": s.head_dim, "bytes_per_token": self.kv_bytes_per_token,
+                   "block_size": self.layout.block_size, "bytes_per_block": self.layout.bytes_per_block,
+                   "attention_backend": self.layout.backend.name,
+                   "layer_tensors": [{"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+                                     for t in self.layout.layer_tensors(max(b.num_blocks, 1))]},
             "blocks_by_memory": b.blocks_by_memory, "blocks_by_concurrency": b.blocks_by_concurrency,
             "num_blocks": b.num_blocks, "kv_tokens": b.num_blocks * self.layout.block_size,
             "max_model_len": b.max_model_len, "max_num_seqs": b.max_num_seqs,
@@ -92,18 +100,41 @@ def _has_weights(folder: Path) -> bool:
     return any(folder.glob("*.safetensors"))
 
 
+def plan_attention_backend(cfg: DictConfig, spec: AttentionSpec, *, runtime: Any = None,
+                           plugin_manager: Any = None) -> AttentionBackend:
+    """The attention backend a run of ``cfg`` uses for ``spec`` (sizing only: no op table behind a reference one).
+
+    Asks ``runtime``'s ops plugin, or — without a runtime — the ops provider
+    built without a device, as ``kunlun-infer plugins`` does.
+    """
+    from kunlun_infer.runtime.attention import plugin_attention_backend
+    from kunlun_infer.runtime.guard import guarded_call
+
+    if runtime is not None:
+        backend = runtime.attention_backend(spec)
+    else:
+        from kunlun_infer.runtime import PluginManager
+
+        manager = plugin_manager if plugin_manager is not None else PluginManager.load()
+        plugin, factory = manager.factory("ops", str(cfg.ops.name))
+        provider = guarded_call(plugin, f"ops factory '{cfg.ops.name}'", factory, config=cfg.ops, device=None)
+        backend = plugin_attention_backend(provider, plugin, spec)
+    return backend if backend is not None else ReferenceAttentionBackend(spec)
+
+
 def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Any = None,
-              measure: bool = True) -> MemoryPlan:
+              measure: bool = True, plugin_manager: Any = None) -> MemoryPlan:
     """Plan ``cfg``'s model on ``device_memory`` bytes per rank, or on ``runtime``'s device when ``None``.
 
     ``runtime`` (optional when ``device_memory`` is given) supplies the
     device's free memory, its dtypes, the comm plugin's buffers and, when
     ``measure`` and the weights are present at ``parallel.tensor_size=1``,
-    the warm-up that measures the activation peak.
+    the warm-up that measures the activation peak. Without a runtime, the
+    ops plugin (for the KV layout) comes from ``plugin_manager``.
     """
     from kunlun_infer.engine.setup import (choose_dtype, choose_max_model_len, estimate_activation_bytes,
                                            model_dir)
-    from kunlun_infer.models import load_model_config, resolve_dtype
+    from kunlun_infer.models import load_model_config, model_class, resolve_dtype
 
     if device_memory is None and runtime is None:
         raise ValueError("make_plan needs device_memory or a runtime")
@@ -120,15 +151,17 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Any
         memory, memory_source = device_memory, "command line"
     max_model_len = choose_max_model_len(cfg.model.max_model_len, arch.max_context_len)
     block_size, max_num_seqs = int(cfg.cache.block_size), int(cfg.scheduler.max_num_seqs)
-    layout = KVLayout(shapes.num_layers, block_size, shapes.num_kv_heads, shapes.head_dim, dtype)
+    spec = model_class(arch).attention_spec(arch, dtype=dtype, tp_size=tp)
+    backend = plan_attention_backend(cfg, spec, runtime=runtime, plugin_manager=plugin_manager)
+    layout = KVLayout(shapes.num_layers, block_size, backend)
     weight_bytes = shapes.params_per_rank * torch.empty((), dtype=dtype).element_size()
     warm_tokens = _warm_up_tokens(cfg, max_model_len)
     activations = estimate_activation_bytes(arch, dtype, warm_tokens, max_num_seqs)
     weight_source, activation_source = "config", "estimated"
     can_measure = measure and runtime is not None and device_memory is None and tp == 1 and _has_weights(folder)
     if can_measure:
-        weight_bytes, activations = _measure(runtime, folder, arch, dtype, layout, max_model_len, warm_tokens,
-                                             max_num_seqs)
+        weight_bytes, activations = _measure(runtime, folder, arch, dtype, block_size, max_model_len,
+                                             warm_tokens, max_num_seqs)
         weight_source, activation_source = "loaded", "measured"
     elif measure and runtime is not None and device_memory is None:
         notes.append("activation peak estimated: " + ("the folder has no weights" if tp == 1 else
@@ -152,7 +185,7 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Any
                       layout=layout, budget=budget, notes=notes)
 
 
-def _measure(runtime: Any, folder: Path, arch: Any, dtype: torch.dtype, layout: KVLayout, max_model_len: int,
+def _measure(runtime: Any, folder: Path, arch: Any, dtype: torch.dtype, block_size: int, max_model_len: int,
              warm_tokens: int, max_num_seqs: int) -> tuple[int, int]:
     """Load the model and run the engine's warm-up: ``(weight bytes, activation peak)``; frees it all."""
     from kunlun_infer.engine.model_runner import ModelRunner
@@ -163,10 +196,10 @@ def _measure(runtime: Any, folder: Path, arch: Any, dtype: torch.dtype, layout: 
     model = load_model(folder, runtime=runtime, dtype=dtype, max_model_len=max_model_len)
     try:
         device = runtime.device.torch_device
-        runner = ModelRunner(model, device=device, block_size=layout.block_size,
+        runner = ModelRunner(model, device=device, block_size=block_size, memory=runtime.memory,
                              sampler=Sampler(torch.Generator(device=device).manual_seed(0)))
-        activations = measure_activation_bytes(runner, runtime.device, runtime.memory, layout, arch, dtype,
-                                               num_tokens=warm_tokens, num_seqs=max_num_seqs)
+        activations = measure_activation_bytes(runner, runtime.device, arch, dtype, num_tokens=warm_tokens,
+                                               num_seqs=max_num_seqs)
         return model.weight_nbytes(), activations
     finally:
         del model

@@ -106,6 +106,32 @@ def test_op_matches_reference_on_captured_inputs():
     finally:
         runtime.close()
 ''',
+    "attention": '''
+def test_attention_backend_matches_reference_backend():
+    from kunlun_infer.testing import build_runtime, check_attention_backend
+
+    runtime = build_runtime(OVERRIDES, MODULES)
+    try:
+        check_attention_backend(runtime.ops, runtime.device, dtypes=[getattr(torch, DTYPE)], seed=SEED)
+    finally:
+        runtime.close()
+''',
+    "attention_model": '''
+def test_tiny_model_logits_with_the_attention_backend_equal_the_reference(tmp_path):
+    from kunlun_infer.testing import build_runtime
+    from kunlun_infer.tools.doctor.model_check import compare_logits, mixed_table, run_logits
+    from kunlun_infer.tools.tiny_model import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "tiny", seed=SEED)
+    runtime = build_runtime(OVERRIDES, MODULES)
+    try:
+        want = run_logits(runtime, folder, mixed_table(runtime, ()), seed=SEED)
+        got = run_logits(runtime, folder, mixed_table(runtime, ()), seed=SEED, plugin_attention=True)
+        difference = compare_logits(got, want)
+        assert difference is None, difference
+    finally:
+        runtime.close()
+''',
     "collectives": '''
 def test_collectives_exact_on_every_rank():
     from kunlun_infer.testing import check_collectives

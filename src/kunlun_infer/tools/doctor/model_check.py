@@ -2,11 +2,14 @@
 
 A scripted batch — three prompts prefilled in two chunks, then decode steps
 on fixed tokens — goes through the engine's own flat-batch builder and the
-paged KV cache (allocated by the memory plugin), so plugin and reference runs
-see identical inputs. When the plugin's ops disagree with the reference,
-:func:`find_culprit` swaps in one plugin op (or coupled pair) at a time to
-name the op at fault, and captures the inputs of its first call that
-differs from the reference.
+paged KV cache (allocated by the memory plugin in the attention backend's
+layout), so plugin and reference runs see identical inputs. Attention is
+served by the ops plugin's own backend when it has one and the run asks for
+it, else by the reference backend over the op table. When the plugin
+disagrees with the reference, :func:`find_culprit` swaps in one plugin op
+(or coupled pair, or the attention backend) at a time to name the part at
+fault, and captures the inputs of an op's first call that differs from the
+reference.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from kunlun_infer.ops import OP_SPECS
 from kunlun_infer.runtime.optable import COUPLED_OPS, OpTable, resolve
 from kunlun_infer.testing.compare import ConformanceError, assert_matches
 
+#: the unit :func:`find_culprit` names when the plugin's attention backend is at fault
+ATTENTION_UNIT = ("attention backend",)
 PROMPT_LENGTHS = (5, 19, 40)
 DECODE_STEPS = 3
 BLOCK_SIZE = 16
@@ -31,14 +36,22 @@ MODEL_TOLERANCE = (2e-3, 2e-3)
 
 
 class OpsRuntime:
-    """A runtime whose ``resolve_ops`` hands out a fixed op table; everything else is the real runtime's."""
+    """A runtime whose ``resolve_ops`` hands out a fixed op table; everything else is the real runtime's.
 
-    def __init__(self, runtime: Any, table: OpTable) -> None:
+    ``plugin_attention``: whether the ops plugin's attention backend (if it has
+    one) serves; otherwise the reference backend over the fixed table does.
+    """
+
+    def __init__(self, runtime: Any, table: OpTable, *, plugin_attention: bool = False) -> None:
         self._runtime = runtime
         self._table = table
+        self._plugin_attention = plugin_attention
 
     def resolve_ops(self, ops: Any) -> OpTable:
         return self._table
+
+    def attention_backend(self, spec: Any) -> Any:
+        return self._runtime.attention_backend(spec) if self._plugin_attention else None
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._runtime, attr)
@@ -70,15 +83,35 @@ def _prompts(seed: int, vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def run_logits(runtime: Any, folder: Path, table: OpTable, *, seed: int = 0) -> list[torch.Tensor]:
-    """Float32 logits of every token of every step of the scripted batch (host tensors)."""
+def plugin_serves_attention(runtime: Any, folder: Path) -> bool:
+    """True when the runtime's ops plugin serves the model in ``folder`` with an attention backend of its own."""
+    from kunlun_infer.models import load_model_config, model_class
+
+    arch = load_model_config(folder)
+    return runtime.attention_backend(model_class(arch).attention_spec(arch, dtype=torch.float32)) is not None
+
+
+def _batch_rows(counts: list[int], order: Any) -> torch.Tensor:
+    """Flat-batch row indices that put a step's tokens back in batch-row order."""
+    order = list(range(len(counts))) if order is None else list(order)
+    starts, at = {}, 0
+    for i in order:
+        starts[i] = at
+        at += counts[i]
+    return torch.tensor([starts[i] + j for i in range(len(counts)) for j in range(counts[i])], dtype=torch.int64)
+
+
+def run_logits(runtime: Any, folder: Path, table: OpTable, *, seed: int = 0,
+               plugin_attention: bool = False) -> list[torch.Tensor]:
+    """Float32 logits of every token of every step of the scripted batch (host tensors, batch-row order)."""
     from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, free_kv_caches
     from kunlun_infer.engine.model_runner import build_step_inputs
     from kunlun_infer.engine.params import SamplingParams
     from kunlun_infer.engine.sequence import Sequence
     from kunlun_infer.models import load_model
 
-    model = load_model(folder, runtime=OpsRuntime(runtime, table), dtype=torch.float32, max_model_len=MAX_MODEL_LEN)
+    model = load_model(folder, runtime=OpsRuntime(runtime, table, plugin_attention=plugin_attention),
+                       dtype=torch.float32, max_model_len=MAX_MODEL_LEN)
     device = runtime.device.torch_device
     vocab = model.config.vocab_size
     seqs, next_block = [], 0
@@ -88,8 +121,8 @@ def run_logits(runtime: Any, folder: Path, table: OpTable, *, seed: int = 0) -> 
         seq.block_table = list(range(next_block, next_block + blocks))
         next_block += blocks
         seqs.append(seq)
-    layout = KVLayout(model.num_layers, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.float32)
-    caches = allocate_kv_caches(runtime.memory, layout, next_block)
+    attention = model.attention
+    caches = allocate_kv_caches(runtime.memory, KVLayout(model.num_layers, BLOCK_SIZE, attention), next_block)
     logits = []
     try:
         first = [len(s) // 2 for s in seqs]
@@ -99,9 +132,10 @@ def run_logits(runtime: Any, folder: Path, table: OpTable, *, seed: int = 0) -> 
                 if step >= 2:  # decode: feed fixed tokens so every run sees the same inputs
                     for i, s in enumerate(seqs):
                         s.token_ids.append((7 * step + 13 * i) % vocab)
-                inputs = build_step_inputs(seqs, counts, BLOCK_SIZE, device)
-                hidden = model(inputs.input_ids, inputs.positions, inputs.attn, caches)
-                logits.append(model.compute_logits(hidden).float().cpu())
+                order = attention.order_batch(counts, [s.num_computed_tokens for s in seqs])
+                inputs = build_step_inputs(seqs, counts, BLOCK_SIZE, device, order)
+                hidden = model(inputs.input_ids, inputs.positions, attention.build_metadata(inputs.attn), caches)
+                logits.append(model.compute_logits(hidden).float().cpu().index_select(0, _batch_rows(counts, order)))
                 for s, n in zip(seqs, counts):
                     s.num_computed_tokens += n
     finally:
@@ -178,13 +212,23 @@ def capturing(captured: list[Capture]) -> Any:
     return wrap
 
 
-def find_culprit(runtime: Any, folder: Path, want: list[torch.Tensor], served: list[str], *,
-                 seed: int = 0) -> tuple[tuple[str, ...] | None, str | None, Capture | None]:
-    """The op unit whose plugin kernels alone make the logits differ, its difference, and a captured call."""
+def find_culprit(runtime: Any, folder: Path, want: list[torch.Tensor], served: list[str], *, seed: int = 0,
+                 plugin_attention: bool = False) -> tuple[tuple[str, ...] | None, str | None, Capture | None]:
+    """The unit whose plugin part alone makes the logits differ, its difference, and a captured op call.
+
+    Units are the served ops (coupled ones together) and, with
+    ``plugin_attention``, :data:`ATTENTION_UNIT`: the plugin's attention
+    backend over reference ops.
+    """
     for unit in op_units(served):
         captured: list[Capture] = []
         got = run_logits(runtime, folder, mixed_table(runtime, unit, capturing(captured)), seed=seed)
         difference = compare_logits(got, want)
         if difference is not None:
             return unit, difference, (captured[0] if captured else None)
+    if plugin_attention:
+        got = run_logits(runtime, folder, mixed_table(runtime, ()), seed=seed, plugin_attention=True)
+        difference = compare_logits(got, want)
+        if difference is not None:
+            return ATTENTION_UNIT, difference, None
     return None, None, None

@@ -1,12 +1,14 @@
 """Stage 3: single-device inference of a tiny model with the chosen ops equals the reference ops.
 
 First every op the plugin serves is checked against its reference on the
-conformance suite's sample inputs, in every dtype the device supports. Then
-a tiny random Llama (written in-process) runs a scripted batch with the
-plugin's ops and with the reference ops and the logits are compared; when
-they differ, the op at fault is found by swapping plugin ops in one at a
-time. Last, the engine generates greedily with both op tables and the tokens
-must agree. Every failure names the op and writes a pytest repro.
+conformance suite's sample inputs, in every dtype the device supports, and
+so is its attention backend (when it has one) against the reference
+backend. Then a tiny random Llama (written in-process) runs a scripted batch
+with the plugin's ops and attention backend and with the reference ones and
+the logits are compared; when they differ, the part at fault is found by
+swapping plugin ops (or the backend) in one at a time. Last, the engine
+generates greedily both ways and the tokens must agree. Every failure names
+the op or backend and writes a pytest repro.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
-from kunlun_infer.testing import ConformanceError, check_op
+from kunlun_infer.testing import ConformanceError, check_attention_backend, check_op
 from kunlun_infer.tools.doctor.context import DoctorContext
-from kunlun_infer.tools.doctor.model_check import OpsRuntime, compare_logits, find_culprit, mixed_table, run_logits
+from kunlun_infer.tools.doctor.model_check import (ATTENTION_UNIT, OpsRuntime, compare_logits, find_culprit,
+                                                   mixed_table, plugin_serves_attention, run_logits)
 from kunlun_infer.tools.doctor.report import Failure, StageFailed, StageResult
 from kunlun_infer.tools.repro import Repro, write_repro
 
@@ -66,21 +69,55 @@ def _check_ops(ctx: DoctorContext, served: list[str], result: StageResult) -> No
                           f"{', '.join(dtype_name(d) for d in dtypes)}")
 
 
-def _check_model(ctx: DoctorContext, served: list[str], result: StageResult) -> None:
+def _attention_failure(ctx: DoctorContext, message: str, repro: Repro) -> StageFailed:
+    plugin = ctx.runtime.plugin_for("ops")
+    path = write_repro(repro, ctx.repro_dir)
+    return StageFailed(Failure(
+        layer="plugin", plugin=plugin, hook="ops.attention_backend", message=message, repro=str(path),
+        next_steps=[f"compare plugin '{plugin}''s attention backend with the reference backend "
+                    f"(kunlun_infer.ops.reference_attention) on kunlun_infer.testing.check_attention_backend",
+                    "until it is fixed, run on the reference backend: return None from the provider's "
+                    "attention_backend()"]))
+
+
+def _check_attention(ctx: DoctorContext, result: StageResult) -> None:
+    device = ctx.runtime.device
+    dtypes = [d for d in TOLERANCES if d in device.supported_dtypes()]
+    for dtype in dtypes:
+        try:
+            checked = check_attention_backend(ctx.runtime.ops, device, dtypes=[dtype], seed=ctx.seed)
+        except Exception as exc:  # noqa: BLE001 - a mismatch or a crash of the backend, both its fault
+            text = str(exc) if isinstance(exc, ConformanceError) else f"{type(exc).__name__}: {exc}"
+            constants = {"DTYPE": dtype_name(dtype), "SEED": ctx.seed}
+            raise _attention_failure(ctx, f"on the conformance suite's script: {text}",
+                                     _repro(ctx, "attention", "attention backend", text, constants)) from exc
+        if checked:
+            result.details.append(f"attention backend matches the reference backend in {dtype_name(dtype)} "
+                                  f"({len(checked)} head shape(s))")
+
+
+def _check_model(ctx: DoctorContext, served: list[str], plugin_attention: bool, result: StageResult) -> None:
     folder = ctx.tiny_model(1)
     reference = run_logits(ctx.runtime, folder, mixed_table(ctx.runtime, ()), seed=ctx.seed)
-    chosen = run_logits(ctx.runtime, folder, mixed_table(ctx.runtime, tuple(served)), seed=ctx.seed)
+    chosen = run_logits(ctx.runtime, folder, mixed_table(ctx.runtime, tuple(served)), seed=ctx.seed,
+                        plugin_attention=plugin_attention)
     difference = compare_logits(chosen, reference)
     if difference is None:
-        result.details.append("tiny model: logits with the plugin's ops equal the reference ops (chunked prefill "
-                              "and decode over the paged KV cache)")
+        result.details.append("tiny model: logits with the plugin's ops" + (" and attention backend" if
+                              plugin_attention else "") + " equal the reference (chunked prefill and decode "
+                              "over the paged KV cache)")
         return
-    unit, unit_difference, capture = find_culprit(ctx.runtime, ctx.tiny_model(1), reference, served, seed=ctx.seed)
+    unit, unit_difference, capture = find_culprit(ctx.runtime, ctx.tiny_model(1), reference, served, seed=ctx.seed,
+                                                  plugin_attention=plugin_attention)
     if unit is None:
         raise StageFailed(Failure(
             layer="plugin", plugin=ctx.runtime.plugin_for("ops"), hook="ops (combination)",
             message=f"tiny model: {difference}; no single plugin op causes it alone",
             next_steps=["look for ops that share state (caches written by store_kv, read by paged_attention)"]))
+    if unit == ATTENTION_UNIT:
+        message = f"tiny model with only the plugin's attention backend (reference ops): {unit_difference}"
+        raise _attention_failure(ctx, message, _repro(ctx, "attention_model", "attention backend model", message,
+                                                      {"SEED": ctx.seed}))
     op = unit[-1] if capture is None else capture.op
     message = f"tiny model with only '{' + '.join(unit)}' from the plugin: {unit_difference}"
     if capture is not None:
@@ -143,10 +180,13 @@ def _check_engine(ctx: DoctorContext, result: StageResult) -> None:
 def run(ctx: DoctorContext, result: StageResult) -> None:
     coverage = {op: ctx.runtime.resolve_ops(list(OP_SPECS)).source(op) for op in OP_SPECS}
     served = [op for op, src in coverage.items() if src != "reference"]
+    plugin_attention = plugin_serves_attention(ctx.runtime, ctx.tiny_model(1))
     result.data["served_ops"] = served
+    result.data["attention_backend"] = "plugin" if plugin_attention else "reference"
     if served:
         _check_ops(ctx, served, result)
     else:
         result.details.append("the ops plugin serves no op: every op is the reference")
-    _check_model(ctx, served, result)
+    _check_attention(ctx, result)
+    _check_model(ctx, served, plugin_attention, result)
     _check_engine(ctx, result)
