@@ -324,7 +324,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ facts and lifecycle
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the KV cache, the queues and the work done so far."""
+        """Counters of the KV cache, the queues and the work done so far, and the limits requests meet.
+
+        ``max_num_seqs``: sequences (samples) that run side by side;
+        ``max_request_tokens``: the most tokens, prompt and output together,
+        one request may reach (``model.max_model_len``, or less when the KV
+        cache holds fewer).
+        """
         bm, sched = self.block_manager, self.scheduler
         return {
             "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
@@ -334,6 +340,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": sched.prefix_cache_query_tokens, "num_steps": self._num_steps,
             "num_requests_finished": self._num_finished, "num_generated_tokens": self._num_generated_tokens,
             "num_computed_tokens": self._num_computed_tokens, "max_model_len": self.max_model_len,
+            "max_num_seqs": sched.max_num_seqs, "max_request_tokens": self.intake.max_request_tokens,
         }
 
     def _check_open(self) -> None:

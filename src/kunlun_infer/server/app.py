@@ -186,7 +186,7 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
                                                 **(req.chat_template_kwargs or {}))
             ids = encode_prompt(engine.tokenizer, text)
             # without max_tokens the answer may fill the context, as far as the KV cache can hold it
-            limit = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_size)
+            limit = int(state.loop.stats["max_request_tokens"])
             room = limit - len(ids)
             if room < 1:
                 raise ApiError(f"messages: the conversation is {len(ids)} tokens, leaving no room to answer "

@@ -64,7 +64,9 @@ class EngineLoop:
 
     def __init__(self, engine: Any, *, max_queue: int, metrics: Any = None) -> None:
         self.engine = engine
-        self.capacity = int(engine.scheduler.max_num_seqs) + int(max_queue)
+        #: the engine's stats after the latest step (read by /metrics and /health; its limits by the handlers)
+        self.stats: dict[str, Any] = dict(engine.stats())
+        self.capacity = int(self.stats["max_num_seqs"]) + int(max_queue)
         self.metrics = metrics
         self._lock = threading.Lock()
         self._inbox: deque[Submission] = deque()
@@ -80,8 +82,6 @@ class EngineLoop:
         self.failure: str | None = None
         #: the error of the latest failed step (its requests were aborted)
         self.last_step_error: str | None = None
-        #: the engine's stats after the latest step (read by /metrics and /health)
-        self.stats: dict[str, Any] = dict(engine.stats())
 
     # ------------------------------------------------------------------ the HTTP side (any thread)
 
