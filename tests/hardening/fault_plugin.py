@@ -11,6 +11,9 @@ Installed through the entry-point group like any plugin (see
   ``op`` from then on raise (once).
 - ``comm.fail_at=N``: on rank 0, the N-th ``all_reduce`` raises instead of
   reducing (gloo collectives otherwise).
+- ``ops.fail_op=OP ops.fail_at=N ops.fail_rank=R``: the N-th call of ``OP``
+  raises on the process whose device index is ``R`` (its local rank), for a
+  failure on one rank of a tensor-parallel group, which ``arm`` cannot reach.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import dataclasses
 from typing import Any
 
 from kunlun_infer.capabilities import DictOpsProvider, MemoryAllocator
-from kunlun_infer.config import CommConfig, MemoryConfig
+from kunlun_infer.config import CommConfig, MemoryConfig, OpsConfig
 from kunlun_infer.hookspecs import ConfigOption, PluginInfo, hookimpl
 from kunlun_infer.plugins.cpu_comm import GlooComm
 from kunlun_infer.plugins.cpu_memory import SimpleAllocator
@@ -39,6 +42,15 @@ class FlakyMemoryConfig(MemoryConfig):
     name: str = "flaky"
     #: the allocate call (1-based) that raises; 0 = never
     fail_at: int = 0
+
+
+@dataclasses.dataclass
+class FlakyOpsConfig(OpsConfig):
+    name: str = "flaky"
+    #: the op whose ``fail_at``-th call (1-based) raises on the rank ``fail_rank``; "" = none
+    fail_op: str = ""
+    fail_at: int = 0
+    fail_rank: int = 0
 
 
 @dataclasses.dataclass
@@ -127,6 +139,9 @@ def make_memory(*, config, device):
 def make_ops(*, config, device):
     provider = FlakyOps()
     PROVIDERS.append(provider)
+    fail_op = config.get("fail_op", "") if config is not None else ""
+    if fail_op and device is not None and getattr(device, "index", 0) == int(config.fail_rank):
+        provider.arm(fail_op, after=int(config.fail_at))
     return provider
 
 
@@ -152,4 +167,5 @@ def kunlun_infer_comm_factories():
 
 @hookimpl
 def kunlun_infer_config_options():
-    return [ConfigOption("memory", "flaky", FlakyMemoryConfig), ConfigOption("comm", "flaky", FlakyCommConfig)]
+    return [ConfigOption("memory", "flaky", FlakyMemoryConfig), ConfigOption("ops", "flaky", FlakyOpsConfig),
+            ConfigOption("comm", "flaky", FlakyCommConfig)]

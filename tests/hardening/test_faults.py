@@ -176,3 +176,43 @@ def test_an_all_reduce_failing_on_a_tensor_parallel_rank_ends_the_step_and_shuts
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not [p for p in my_children() if p.pid == pid]
     llm.close()
+
+
+def test_an_op_failing_on_rank_1_ends_its_step_and_the_tensor_parallel_group_serves_on(
+        flaky, tiny_folder, make_distribution, monkeypatch, reference):
+    import os
+
+    site = str(make_distribution.root)  # rank 1 finds the flaky plugin through its entry point too
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([site, os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    llm = LLM(overrides=tiny_overrides(tiny_folder, ops="flaky", ops__fail_op="silu_and_mul", ops__fail_at=3,
+                                       ops__fail_rank=1, parallel__tensor_size=2, comm__timeout_s=30))
+    try:
+        (pid,) = llm.engine.parallel.workers.pids
+        requests = [llm.engine.add_request(p, GREEDY) for p in PROMPTS]
+        with pytest.raises(EngineStepError) as caught:
+            for _ in range(50):
+                llm.engine.step()
+        error = caught.value
+        assert not error.shut_down
+        assert (error.plugin, error.hook, error.layer) == ("flaky", "ops.silu_and_mul", "plugin")
+        assert "tensor-parallel rank 1" in str(error) and "injected fault in silu_and_mul call 3" in str(error)
+        ended = {o.request_id: o for o in llm.engine.step() if o.finished}  # the step's requests, with the error
+        assert set(ended) == set(requests)
+        assert all(o.finish_reason == "abort" and "rank 1" in o.error and "ops.silu_and_mul" in o.error
+                   for o in ended.values())
+        # the group serves on: the next hundred requests all finish, with the tokens of a healthy engine
+        outs = llm.generate([PROMPTS[i % 3] for i in range(100)], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [reference[i % 3] for i in range(100)]
+        assert running(pid) and llm.engine.parallel.workers.pids == [pid]
+        stats = llm.engine.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    finally:
+        llm.close()
+    assert not running(pid)
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

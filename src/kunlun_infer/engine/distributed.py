@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kunlun_infer.engine.model_runner import StepInputs
+from kunlun_infer.errors import PluginError
 from kunlun_infer.ops.attention_step import AttentionStep
 
 HEADER_LEN = 8
@@ -57,12 +58,13 @@ class Message:
 
 @dataclasses.dataclass(frozen=True)
 class RankStatus:
-    """What one rank reports after loading: whether it succeeded, and its free device memory."""
+    """What one rank reports after loading or a step: whether it succeeded, and its free device memory."""
 
     rank: int
     ok: bool
     free_bytes: int
-    error: str | None = None
+    #: what went wrong (the load's error text, a step's failure detail); ``None`` when ``ok``
+    error: Any = None
 
 
 def pack_step(inputs: StepInputs) -> tuple[list[int], torch.Tensor]:
@@ -156,11 +158,12 @@ class ControlPlane:
 
 
 def exchange_status(comm: Any, device: torch.device, *, ok: bool, free_bytes: int,
-                    error: str | None) -> list[RankStatus]:
-    """Every rank tells every other whether it loaded, and how much memory it has left.
+                    error: Any) -> list[RankStatus]:
+    """Every rank tells every other whether it succeeded (and how much memory it has left).
 
-    A collective all ranks call after ``LOAD``; the error text of each failed
-    rank follows with one ``broadcast_object`` from that rank.
+    A collective all ranks call after ``LOAD`` and after each ``STEP``; the
+    error of each failed rank (its text, or any picklable detail) follows with
+    one ``broadcast_object`` from that rank.
     """
     mine = torch.tensor([int(ok), int(free_bytes)], dtype=torch.int64, device=device)
     table = comm.all_gather(mine.view(1, 2), 0).tolist()
@@ -171,3 +174,20 @@ def exchange_status(comm: Any, device: torch.device, *, ok: bool, free_bytes: in
             text = comm.broadcast_object(error if rank == comm.rank else None, rank)
         statuses.append(RankStatus(rank, bool(rank_ok), int(rank_free), text))
     return statuses
+
+
+def exchange_step_failures(comm: Any, device: torch.device, failure: PluginError | None) -> PluginError | None:
+    """After each step, every rank learns whether a rank's plugin failed in it (one small all-gather).
+
+    Returns ``None`` for a good step, else the first failed rank's error as a
+    :class:`PluginError` naming its plugin, hook and layer, and the ranks.
+    """
+    detail = None if failure is None else {"text": str(failure), "plugin": failure.plugin, "hook": failure.hook,
+                                           "layer": failure.layer}
+    failed = [s for s in exchange_status(comm, device, ok=failure is None, free_bytes=0, error=detail) if not s.ok]
+    if not failed:
+        return None
+    first = failed[0].error
+    ranks = ", ".join(str(s.rank) for s in failed)
+    return PluginError(f"{first['text']} (on tensor-parallel rank{'s' if len(failed) > 1 else ''} {ranks})",
+                       plugin=first["plugin"], hook=first["hook"], layer=first["layer"])

@@ -9,9 +9,14 @@ batch before running rank 0's own forward, and its explicit
 While the engine is idle a heartbeat keeps the workers' collective timeout
 from firing.
 
-Failure: a worker that dies makes the next collective fail at once (its
-connection closes) and the child's exit is noticed before each step; one that
-hangs makes it fail after ``comm.timeout_s``. Either way the step raises
+Failure: a plugin that raises during a step, on any rank, fails that step
+alone: the rank holds the error back, finishes the forward on the op's
+reference so the ranks stay in step, and every rank learns of it in a small
+exchange after the forward; rank 0 raises it as a ``PluginError`` naming the
+rank, the engine ends that step's requests, and the group serves on. A worker
+that dies makes the next collective fail at once (its connection closes) and
+the child's exit is noticed before each step; one that hangs makes it fail
+after ``comm.timeout_s``. Either way the step raises
 :class:`~kunlun_infer.errors.WorkerError` and the group refuses further steps.
 :meth:`~TensorParallelGroup.close` stops the workers and reaps the children.
 """
@@ -30,7 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kunlun_infer.dtypes import dtype_name
-from kunlun_infer.engine.distributed import ControlPlane, exchange_status
+from kunlun_infer.engine.distributed import ControlPlane, exchange_status, exchange_step_failures
 from kunlun_infer.engine.launch import free_loopback_port, torchrun_place
 from kunlun_infer.engine.model_runner import ModelRunner, StepInputs
 from kunlun_infer.engine.spawn import WorkerProcesses
@@ -267,6 +272,12 @@ class DriverRunner(ModelRunner):
             self.group.plane.send_kv(num_blocks)
 
     def compute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Every rank runs the step; a plugin failure on any of them fails the step alone, the group serves on."""
         with self.group.collective("a model step"):
             self.group.plane.send_step(inputs)
-            return super().compute(inputs)
+            logits = super().compute(inputs)
+            failure = exchange_step_failures(self.group.runtime.comm, self.group.runtime.device.torch_device,
+                                             self.model.deferred_failures.take())
+        if failure is not None:
+            raise failure
+        return logits

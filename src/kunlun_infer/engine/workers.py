@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kunlun_infer.dtypes import DTYPES
-from kunlun_infer.engine.distributed import ControlPlane, Kind, exchange_status
+from kunlun_infer.engine.distributed import ControlPlane, Kind, exchange_status, exchange_step_failures
 from kunlun_infer.engine.launch import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.engine.model_runner import ModelRunner
 
@@ -58,6 +58,9 @@ class Worker:
                 elif message.kind is Kind.STEP:
                     with torch.inference_mode():
                         self.runner.compute(message.inputs)
+                    # a plugin failure held back during the step is reported; the group serves on
+                    exchange_step_failures(self.runtime.comm, self.runtime.device.torch_device,
+                                           self.runner.model.deferred_failures.take())
         finally:
             if self.runner is not None:
                 self.runner.release_kv_cache()

@@ -36,6 +36,8 @@ class CausalLM(nn.Module):
     #: checkpoint tensors that carry nothing this model needs (name suffixes)
     ignored_tensor_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
+    #: with several tensor-parallel ranks, the plugin failures this rank's step held back (see the loader)
+    deferred_failures: Any = None
     config: ModelArchConfig
     num_layers: int
     num_kv_heads: int

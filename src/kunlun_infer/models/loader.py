@@ -26,7 +26,9 @@ from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.models.config import ModelArchConfig, load_model_config, read_json
 from kunlun_infer.models.llama import LlamaForCausalLM
 from kunlun_infer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
-from kunlun_infer.runtime.attention import resolve_attention
+from kunlun_infer.runtime.attention import GuardedAttentionBackend, resolve_attention
+from kunlun_infer.runtime.guard import DeferredFailures
+from kunlun_infer.runtime.optable import OpTable
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -201,4 +203,10 @@ def load_model(model_dir: str | Path, *, runtime: Any, dtype: torch.dtype, tp_ra
     except ValueError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: cannot split this model over {tp_size} ranks: {e}") from e
     load_weights(model, model_dir, index)
+    if tp_size > 1:  # a failing kernel must not leave the other ranks waiting in a collective
+        model.deferred_failures = DeferredFailures()
+        if isinstance(ops, OpTable):
+            ops.defer_failures(model.deferred_failures)
+        if isinstance(attention, GuardedAttentionBackend):
+            attention.defer_failures(model.deferred_failures)
     return model.eval()

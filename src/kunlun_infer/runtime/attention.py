@@ -21,7 +21,7 @@ from kunlun_infer.errors import PluginError
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec, CacheTensorSpec
 from kunlun_infer.ops.attention_step import AttentionStep
 from kunlun_infer.ops.reference_attention import REFERENCE_ATTENTION_OPS, ReferenceAttentionBackend
-from kunlun_infer.runtime.guard import guarded_call, plugin_failure
+from kunlun_infer.runtime.guard import DeferredFailures, guarded_call, plugin_failure
 from kunlun_infer.runtime.log import runtime_log
 
 
@@ -32,6 +32,16 @@ class GuardedAttentionBackend(AttentionBackend):
         self.inner = inner
         self.plugin = plugin
         self.name = str(getattr(inner, "name", type(inner).__name__))
+        #: where ``store_kv``/``attend`` failures go instead of being raised (tensor-parallel ranks)
+        self._deferred: DeferredFailures | None = None
+
+    def defer_failures(self, failures: DeferredFailures) -> None:
+        """From now on a failing ``store_kv`` stores nothing and a failing ``attend`` answers zeros; errors kept.
+
+        The step's results are discarded once the rank reports the error (see
+        :class:`~kunlun_infer.runtime.guard.DeferredFailures`).
+        """
+        self._deferred = failures
 
     def _fail(self, exc: Exception, call: str) -> Exception:
         return plugin_failure(exc, plugin=self.plugin, hook=f"attention.{call}")
@@ -64,14 +74,21 @@ class GuardedAttentionBackend(AttentionBackend):
         try:
             self.inner.store_kv(key, value, kv_cache, metadata)
         except Exception as exc:  # noqa: BLE001 - attributed to the plugin
-            raise self._fail(exc, "store_kv") from exc
+            error = self._fail(exc, "store_kv")
+            if self._deferred is None or not isinstance(error, PluginError):
+                raise error from exc
+            self._deferred.record(error)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: tuple[torch.Tensor, ...], metadata: Any, *, scale: float) -> torch.Tensor:
         try:
             return self.inner.attend(query, key, value, kv_cache, metadata, scale=scale)
         except Exception as exc:  # noqa: BLE001 - attributed to the plugin
-            raise self._fail(exc, "attend") from exc
+            error = self._fail(exc, "attend")
+            if self._deferred is None or not isinstance(error, PluginError):
+                raise error from exc
+            self._deferred.record(error)
+            return torch.zeros_like(query)
 
     def __repr__(self) -> str:
         return f"<attention backend {self.name!r} of plugin {self.plugin!r}>"

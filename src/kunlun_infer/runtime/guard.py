@@ -32,6 +32,30 @@ def plugin_failure(exc: BaseException, *, plugin: str, hook: str, layer: str = "
         plugin=plugin, hook=hook, layer=layer)
 
 
+class DeferredFailures:
+    """Plugin failures a tensor-parallel rank holds back until the end of its step (the first one is kept).
+
+    Ranks run the same collectives in the same order; a rank whose kernel
+    raises mid-forward must still take part in the rest of them, or every other
+    rank waits for it until the comm timeout. Deferring callers (the op table,
+    the attention backend) record the error here and answer with a stand-in;
+    the step's results are discarded, and the rank reports :meth:`take` to
+    the others once the forward is done.
+    """
+
+    def __init__(self) -> None:
+        self._first: PluginError | None = None
+
+    def record(self, exc: PluginError) -> None:
+        if self._first is None:
+            self._first = exc
+
+    def take(self) -> PluginError | None:
+        """The first failure since the last call (``None`` if none), forgotten here."""
+        first, self._first = self._first, None
+        return first
+
+
 def guarded_call(plugin: str, hook: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call ``fn`` traced, translating foreign exceptions with :func:`plugin_failure`."""
     try:

@@ -14,9 +14,9 @@ import collections
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kunlun_infer.errors import OpsCoverageError
+from kunlun_infer.errors import OpsCoverageError, PluginError
 from kunlun_infer.ops import OP_SPECS
-from kunlun_infer.runtime.guard import guarded_call, plugin_failure
+from kunlun_infer.runtime.guard import DeferredFailures, guarded_call, plugin_failure
 
 REFERENCE = "reference"
 #: ops that must be served by one source together
@@ -31,6 +31,37 @@ class OpTable:
         self._sources = sources
         #: calls made through reference fallbacks, by op
         self.fallback_calls: collections.Counter[str] = collections.Counter()
+
+    def defer_failures(self, failures: DeferredFailures) -> None:
+        """From now on a plugin kernel that raises is answered by its op's reference, the error kept in ``failures``.
+
+        For a tensor-parallel rank (see :class:`~kunlun_infer.runtime.guard.DeferredFailures`):
+        the forward completes, its results are discarded, the error is
+        reported at the end of the step. Where the reference cannot run on
+        the plugin's inputs either (a weight packed in the plugin's own
+        layout), the plugin's error is raised after all.
+        """
+        for op, source in self._sources.items():
+            if source != REFERENCE:
+                self._kernels[op] = self._deferring(op, self._kernels[op], failures)
+
+    @staticmethod
+    def _deferring(op: str, kernel: Callable[..., Any], failures: DeferredFailures) -> Callable[..., Any]:
+        reference = OP_SPECS[op].reference
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return kernel(*args, **kwargs)
+            except PluginError as exc:
+                failures.record(exc)
+                try:
+                    return reference(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - the plugin's error is the one to report
+                    raise exc from None
+
+        run.__name__ = run.__qualname__ = op
+        run.__doc__ = kernel.__doc__
+        return run
 
     def __getattr__(self, op: str) -> Callable[..., Any]:
         kernels = self.__dict__.get("_kernels", {})
