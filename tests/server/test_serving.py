@@ -10,6 +10,7 @@ import pytest
 
 import kunlun_infer as ki
 from tests.server.harness import RunningServer, engine_for
+from tests.server.test_no_paths import assert_no_paths
 
 NUM_CLIENTS = 32
 
@@ -124,6 +125,7 @@ def test_overload_gets_a_429_at_once_not_a_hang(small_server):
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         error = refused.json()["error"]
         assert error["code"] == "queue_full" and "server.max_queue" in error["message"]
+        assert_no_paths(refused.text)
     metrics = small_server.metrics()
     assert metrics['kunlun_infer_requests_rejected_total{reason="queue_full"}'] == 1
     assert metrics['kunlun_infer_http_requests_total{endpoint="/v1/completions",status="429"}'] == 1
@@ -144,6 +146,7 @@ def test_shutdown_ends_open_streams_and_refuses_new_work(small_server):
     assert httpx.get(f"{small_server.url}/health").status_code == 503
     refused = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "x"}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+    assert_no_paths(refused.text)
 
 
 
