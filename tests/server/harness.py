@@ -61,3 +61,18 @@ def engine_for(folder: Path, **keys):
     from tests.engine.tiny_models import engine_overrides
 
     return LLMEngine.from_config(compose_config(engine_overrides(model__path=str(folder), **keys)))
+
+
+def fail_next_step(engine, monkeypatch, error: Exception) -> None:
+    """The engine's next forward raises ``error``; the ones after it run as usual."""
+    runner = engine.runner
+    real_compute = runner.compute
+    calls = []
+
+    def compute_failing_once(inputs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise error
+        return real_compute(inputs)
+
+    monkeypatch.setattr(runner, "compute", compute_failing_once)

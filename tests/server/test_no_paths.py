@@ -11,7 +11,7 @@ import pytest
 
 from kunlun_infer.server.redact import public_text
 from tests.chat_models import build_chat_model
-from tests.server.harness import RunningServer, engine_for
+from tests.server.harness import RunningServer, engine_for, fail_next_step
 
 
 def server_paths(*folders) -> list[str]:
@@ -84,17 +84,7 @@ def test_internal_errors_stream_errors_and_health_name_no_path(templateless, mon
 
 def test_a_failed_step_with_a_path_in_its_error_is_a_500_without_it(templateless, monkeypatch):
     server, folder = templateless
-    runner = server.engine.runner
-    real_compute = runner.compute
-    calls = []
-
-    def compute_failing_once(inputs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise OSError(f"cannot map {folder}/model.safetensors")
-        return real_compute(inputs)
-
-    monkeypatch.setattr(runner, "compute", compute_failing_once)
+    fail_next_step(server.engine, monkeypatch, OSError(f"cannot map {folder}/model.safetensors"))
     failed = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
     assert failed.status_code == 500 and "model.safetensors" in failed.json()["error"]["message"]
     assert_no_paths(failed.text, folder)

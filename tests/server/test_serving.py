@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 import kunlun_infer as ki
-from tests.server.harness import RunningServer, engine_for
+from tests.server.harness import RunningServer, engine_for, fail_next_step
 from tests.server.test_no_paths import assert_no_paths
 
 NUM_CLIENTS = 32
@@ -151,17 +151,7 @@ def test_shutdown_ends_open_streams_and_refuses_new_work(small_server):
 
 
 def test_a_failed_engine_step_is_a_500_for_its_requests_and_the_server_serves_on(small_server, monkeypatch):
-    runner = small_server.engine.runner
-    real_compute = runner.compute
-    calls = []
-
-    def compute_failing_once(inputs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("simulated kernel failure")
-        return real_compute(inputs)
-
-    monkeypatch.setattr(runner, "compute", compute_failing_once)
+    fail_next_step(small_server.engine, monkeypatch, RuntimeError("simulated kernel failure"))
     failed = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
     assert failed.status_code == 500
     error = failed.json()["error"]
