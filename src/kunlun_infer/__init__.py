@@ -11,14 +11,12 @@ from kunlun_infer.errors import (
     RequestError,
     WorkerError,
 )
-
-__version__ = "0.1.0"
-
-from kunlun_infer.runtime.compose import compose_config  # noqa: E402 - needs __version__ above
-from kunlun_infer.engine.engine import LLMEngine  # noqa: E402
-from kunlun_infer.engine.outputs import RequestOutput  # noqa: E402
-from kunlun_infer.engine.params import SamplingParams  # noqa: E402
-from kunlun_infer.llm import LLM  # noqa: E402
+from kunlun_infer.engine.engine import LLMEngine
+from kunlun_infer.engine.outputs import RequestOutput
+from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.llm import LLM
+from kunlun_infer.runtime.compose import compose_config
+from kunlun_infer.version import __version__
 
 __all__ = [
     "ConfigError",

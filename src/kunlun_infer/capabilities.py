@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kunlun_infer.config import COMM_TIMEOUT_S
+from kunlun_infer.ops import OP_SPECS
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
 
 # --------------------------------------------------------------------------- device
@@ -159,8 +160,6 @@ class OpsProvider(abc.ABC):
 
     def available(self) -> list[str]:
         """Names of every op this provider implements."""
-        from kunlun_infer.ops import OP_SPECS
-
         return [op for op in OP_SPECS if self.supports(op)]
 
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun_infer.errors import ModelLoadError, RequestError
+from kunlun_infer.models.config import read_json
 
 Message = Mapping[str, Any]
 Conversation = Sequence[Message]
@@ -179,8 +180,6 @@ def load_chat_template(folder: str | Path, name: str | None = None) -> ChatTempl
     ``"default"``) is used. A folder without one raises :class:`RequestError`
     naming the files looked at, since a chat request cannot be served.
     """
-    from kunlun_infer.models.config import read_json
-
     folder = Path(folder)
     config_path = folder / "tokenizer_config.json"
     config = read_json(config_path) if config_path.is_file() else {}

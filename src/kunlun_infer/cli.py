@@ -16,7 +16,10 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
+from kunlun_infer.commands import Invocation, UsageError, discover, load_command, parse_tokens
 from kunlun_infer.errors import ConfigError, KunlunInferError
+from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
+from kunlun_infer.version import __version__
 
 PROG = "kunlun-infer"
 _GLOBAL_BOOL = {"--debug", "--help", "-h", "--version"}
@@ -42,8 +45,6 @@ def _split_globals(argv: list[str]) -> tuple[dict[str, object], list[str]]:
 
 
 def _overview() -> str:
-    from kunlun_infer.commands import discover
-
     lines = [f"usage: {PROG} <command> [key=value…] [--flags]   (also: python -m kunlun_infer)", "", "commands:"]
     for name, command in discover().items():
         summary = (f"(unavailable: {type(command).__name__}: {command})" if isinstance(command, Exception)
@@ -76,16 +77,11 @@ def _logging_to(stream: TextIO, level: str | None, debug: bool) -> Iterator[None
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Run the CLI; returns the exit code."""
-    from kunlun_infer.commands import Invocation, UsageError, load_command, parse_tokens
-
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     opts, rest = _split_globals(list(sys.argv[1:] if argv is None else argv))
     try:
         if opts["version"]:
-            from kunlun_infer import __version__
-            from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
-
             print(f"{PROG} {__version__} (hook API {HOOK_API_VERSION_STR})", file=stdout)
             return 0
         if not rest:

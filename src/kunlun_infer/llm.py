@@ -14,10 +14,12 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from kunlun_infer.chat import encode_prompt, engine_chat_template, is_conversation_list
 from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.errors import RequestError
+from kunlun_infer.runtime import compose_config
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 
@@ -26,8 +28,6 @@ class LLM:
     """A model ready to generate. ``with LLM(...) as llm:`` closes it on exit."""
 
     def __init__(self, model: str | None = None, overrides: Sequence[str] | None = None) -> None:
-        from kunlun_infer.runtime import compose_config
-
         cfg = compose_config(list(overrides or ()))
         if model is not None:
             with open_dict(cfg):
@@ -92,8 +92,6 @@ class LLM:
         picks a named one) and generated like :meth:`generate`; outputs come
         in conversation order, with ``prompt`` set to the rendered text.
         """
-        from kunlun_infer.chat import encode_prompt, engine_chat_template, is_conversation_list
-
         conversations = list(messages) if is_conversation_list(messages) else [messages]
         template = engine_chat_template(self.engine, chat_template)
         texts = [template.render(c, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs)

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from omegaconf import DictConfig
 
 from kunlun_infer.errors import KunlunInferError
+from kunlun_infer.runtime import PluginManager, compose_config
 
 
 class UsageError(KunlunInferError):
@@ -62,16 +63,12 @@ class Invocation:
     def plugin_manager(self, *, strict: bool | None = None) -> Any:
         """The loaded plugins (one manager per invocation)."""
         if self._manager is None:
-            from kunlun_infer.runtime import PluginManager
-
             self._manager = PluginManager.load(strict=strict)
         return self._manager
 
     def config(self) -> DictConfig:
         """The config composed from the overrides (cached)."""
         if self._config is None:
-            from kunlun_infer.runtime import compose_config
-
             self._config = compose_config(self.overrides, plugin_manager=self.plugin_manager())
         return self._config
 

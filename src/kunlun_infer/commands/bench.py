@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation, Param, UsageError
-from kunlun_infer.tools.plugin_modules import REGISTER_PARAM
+from kunlun_infer.engine.launch import resolve_parallel_config, torchrun_place
+from kunlun_infer.engine.setup import model_dir
+from kunlun_infer.engine.workers import serve_torchrun_worker
+from kunlun_infer.models import load_model_config
+from kunlun_infer.runtime import Runtime
+from kunlun_infer.tools.bench.plot import plot_sweep
+from kunlun_infer.tools.bench.run import run_bench
+from kunlun_infer.tools.bench.sweep import parse_sweep, run_sweep, sweep_table
+from kunlun_infer.tools.bench.workload import LengthRange, jsonl_workload, synthetic_workload
+from kunlun_infer.tools.plugin_modules import REGISTER_PARAM, register_modules
 from kunlun_infer.tools.sizes import format_bytes
 
 
@@ -34,10 +43,6 @@ def _positive(text: str) -> int:
 
 
 def _workload(inv: Invocation, cfg: Any) -> Any:
-    from kunlun_infer.engine.setup import model_dir
-    from kunlun_infer.models import load_model_config
-    from kunlun_infer.tools.bench.workload import LengthRange, jsonl_workload, synthetic_workload
-
     p = inv.params
     output_len = LengthRange.parse(p["output_len"], what="output_len")
     if p["prompts_file"]:
@@ -69,21 +74,12 @@ def _render(result: Any, workload: Any) -> list[str]:
 
 def _runtime_for(inv: Invocation, cfg: Any) -> Any:
     """One runtime shared by every run of a single-device bench (one device open, one warm allocator)."""
-    from kunlun_infer.runtime import Runtime
-
     if int(cfg.parallel.tensor_size) != 1:
         return None
     return Runtime.from_config(cfg, plugin_manager=inv.plugin_manager())
 
 
 def run(inv: Invocation) -> int:
-    from kunlun_infer.engine.launch import resolve_parallel_config, torchrun_place
-    from kunlun_infer.engine.workers import serve_torchrun_worker
-    from kunlun_infer.tools.bench.plot import plot_sweep
-    from kunlun_infer.tools.bench.run import run_bench
-    from kunlun_infer.tools.bench.sweep import parse_sweep, run_sweep, sweep_table
-    from kunlun_infer.tools.plugin_modules import register_modules
-
     register_modules(inv.plugin_manager(), inv.params["register"], strict=True)
     place = torchrun_place()
     if inv.flags["sweep"] is not None and place is not None and place.world_size > 1:

@@ -14,15 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.runtime import compose_config
+from kunlun_infer.runtime.optable import resolve
 
 FALLBACK = "reference"
 
 
 def ops_coverage(manager: Any) -> dict[str, dict[str, Any]]:
     """``{option: {"plugin", "sources": {op: plugin | "reference"}, "fallbacks": [...], "error"}}``."""
-    from kunlun_infer.runtime import compose_config
-    from kunlun_infer.runtime.optable import resolve
-
     coverage: dict[str, dict[str, Any]] = {}
     for option in manager.options("ops"):
         plugin, factory = manager.factory("ops", option)

@@ -15,6 +15,9 @@ import json
 from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation, Param
+from kunlun_infer.tools import matrix_record as mr
+from kunlun_infer.tools.doctor import run_doctor
+from kunlun_infer.tools.doctor.report import DoctorReport
 from kunlun_infer.tools.plugin_modules import REGISTER_PARAM
 
 
@@ -33,9 +36,6 @@ def _stage(text: str) -> int:
 
 
 def run(inv: Invocation) -> int:
-    from kunlun_infer.tools.doctor import run_doctor
-    from kunlun_infer.tools.doctor.report import DoctorReport
-
     as_json = inv.flags["json"]
 
     def live(result) -> None:  # each stage as soon as it finishes
@@ -60,8 +60,6 @@ def run(inv: Invocation) -> int:
 
 def _record(inv: Invocation, report: Any, manager: Any) -> str | None:
     """Append the outcome to the doctor record; a record that cannot be written is a warning, not a failure."""
-    from kunlun_infer.tools import matrix_record as mr
-
     path = mr.record_path(inv.flags["record"])
     if not report.config:  # the config did not compose: there is no combination to remember
         return None

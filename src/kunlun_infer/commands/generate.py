@@ -15,6 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation, Param, UsageError
+from kunlun_infer.engine.engine import LLMEngine
+from kunlun_infer.engine.launch import local_rank, resolve_parallel_config
+from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.engine.workers import serve_torchrun_worker
+from kunlun_infer.runtime import Runtime
 
 DEFAULT_PROMPT = "def fibonacci(n):"
 
@@ -44,8 +49,6 @@ def read_prompts(inv: Invocation) -> list[str]:
 
 
 def sampling_params(inv: Invocation) -> Any:
-    from kunlun_infer.engine.params import SamplingParams
-
     p = inv.params
     return SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_k=p["top_k"],
                           top_p=p["top_p"], seed=p["seed"], ignore_eos=p["ignore_eos"], stop=tuple(p["stop"]))
@@ -89,11 +92,6 @@ class OrderedStream:
 
 
 def run(inv: Invocation) -> int:
-    from kunlun_infer.engine.engine import LLMEngine
-    from kunlun_infer.engine.launch import local_rank, resolve_parallel_config
-    from kunlun_infer.engine.workers import serve_torchrun_worker
-    from kunlun_infer.runtime import Runtime
-
     if serve_torchrun_worker(inv.config()):  # under torchrun, ranks above 0 serve rank 0's engine
         return 0
     prompts = read_prompts(inv)

@@ -17,12 +17,12 @@ from typing import Any
 from kunlun_infer.commands.base import Command, Flag, Invocation
 from kunlun_infer.commands.coverage import coverage_table, ops_coverage
 from kunlun_infer.hookspecs import CAPABILITIES, HOOK_API_VERSION_STR
+from kunlun_infer.tools import matrix_record as mr
+from kunlun_infer.version import __version__
 
 
 def matrix(manager: Any) -> dict[str, Any]:
     """Everything ``--json`` prints."""
-    from kunlun_infer import __version__
-
     return {
         "framework": {"name": "kunlun-infer", "version": __version__, "hook_api": HOOK_API_VERSION_STR},
         "capabilities": {c: {opt: manager.factory(c, opt)[0] for opt in manager.options(c)} for c in CAPABILITIES},
@@ -71,8 +71,6 @@ def _status_lines(answer: Any) -> list[str]:
 
 def _record(inv: Invocation, manager: Any) -> int:
     """``--import``, ``--export`` and ``--matrix``, in that order."""
-    from kunlun_infer.tools import matrix_record as mr
-
     path = mr.record_path(inv.flags["record"])
     if inv.flags["import"]:
         added, present = mr.import_record(path, Path(inv.flags["import"]).expanduser())

@@ -11,6 +11,7 @@ Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 from kunlun_infer.commands.base import Command, Invocation
+from kunlun_infer.engine.workers import serve_torchrun_worker
 from kunlun_infer.errors import KunlunInferError
 
 
@@ -21,7 +22,6 @@ def run(inv: Invocation) -> int:
     except ImportError as exc:
         raise KunlunInferError(f"serve needs fastapi and uvicorn ({exc.name} is missing): "
                                f"pip install 'kunlun-infer[serve]'") from None
-    from kunlun_infer.engine.workers import serve_torchrun_worker
     from kunlun_infer.server import model_name_for, serve
 
     cfg = inv.config()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kunlun_infer import __version__
+from kunlun_infer.version import __version__
 from kunlun_infer.capabilities import Comm, Device
 from kunlun_infer.config import COMM_TIMEOUT_S, schema_default
 from kunlun_infer.hookspecs import PluginInfo, hookimpl

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kunlun_infer import __version__
+from kunlun_infer.version import __version__
 from kunlun_infer.capabilities import Device
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.hookspecs import PluginInfo, hookimpl

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kunlun_infer import __version__
+from kunlun_infer.version import __version__
 from kunlun_infer.capabilities import Device, MemoryAllocator, MemoryStats
 from kunlun_infer.errors import DeviceOutOfMemoryError
 from kunlun_infer.hookspecs import PluginInfo, hookimpl

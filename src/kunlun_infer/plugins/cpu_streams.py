@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kunlun_infer import __version__
+from kunlun_infer.version import __version__
 from kunlun_infer.capabilities import Device, Event, Stream, Streams
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.plugins.cpu_device import stack_versions

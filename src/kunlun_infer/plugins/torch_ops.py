@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kunlun_infer import __version__
+from kunlun_infer.version import __version__
 from kunlun_infer.capabilities import Device, DictOpsProvider
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.ops import OP_SPECS

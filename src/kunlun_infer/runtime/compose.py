@@ -24,6 +24,7 @@ from kunlun_infer.errors import ConfigError
 from kunlun_infer.runtime.config_checks import check_composed, refuse_target_overrides, translate_error
 from kunlun_infer.runtime.log import runtime_log
 from kunlun_infer.hookspecs import CAPABILITIES, ConfigOption
+from kunlun_infer.runtime.manager import PluginManager
 from kunlun_infer.runtime.options import (CONF_PACKAGE, PLATFORM_GROUP, PLATFORM_PACKAGE, option_node,
                                           packaged_options, platform_node)
 
@@ -84,8 +85,6 @@ def compose_config(overrides: Sequence[str] = (), *, plugin_manager: Any = None)
         (an unknown key or a badly typed value is refused, also on later assignment).
     :raises ConfigError: one line naming the group, key or value at fault.
     """
-    from kunlun_infer.runtime.manager import PluginManager
-
     overrides = [str(o) for o in overrides]
     refuse_target_overrides(overrides)
     manager = plugin_manager if plugin_manager is not None else PluginManager.load()

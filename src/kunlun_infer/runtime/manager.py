@@ -29,6 +29,7 @@ import pluggy
 from kunlun_infer import hookspecs
 from kunlun_infer.errors import PluginError
 from kunlun_infer.hookspecs import CAPABILITIES, ConfigOption, PluginInfo
+from kunlun_infer.plugins import BUILTIN_PLUGINS
 from kunlun_infer.runtime.guard import guarded_call
 from kunlun_infer.runtime.log import runtime_log
 from kunlun_infer.runtime.observers import isolate_observers
@@ -107,8 +108,6 @@ class PluginManager:
         """A manager with the built-in plugins and the installed entry points (filtered by env)."""
         manager = cls()
         if builtins:
-            from kunlun_infer.plugins import BUILTIN_PLUGINS
-
             for module in BUILTIN_PLUGINS:
                 manager.register(module, source="builtin")
         if entry_points:

@@ -7,6 +7,7 @@ import re
 
 from kunlun_infer.errors import PluginVersionError
 from kunlun_infer.hookspecs import HOOK_API_VERSION, HOOK_API_VERSION_STR
+from kunlun_infer.version import __version__
 
 _COMPARISONS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
                 ">": operator.gt, "<": operator.lt}
@@ -32,8 +33,6 @@ def api_range_admits(spec: str, version: tuple[int, int] = HOOK_API_VERSION) -> 
 
 def check_api_range(spec: str, *, plugin: str, distribution: str | None, distribution_version: str | None) -> None:
     """Raise :class:`PluginVersionError` unless ``spec`` admits this framework's hook API."""
-    from kunlun_infer import __version__
-
     where = f"distribution {distribution} {distribution_version}" if distribution else "not from a distribution"
     try:
         admitted = api_range_admits(spec)

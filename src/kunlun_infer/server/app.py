@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kunlun_infer.chat import encode_prompt, engine_chat_template
 from kunlun_infer.errors import RequestError
 from kunlun_infer.server.engine_loop import EngineLoop, EngineUnavailableError, ServerBusyError
 from kunlun_infer.server.generation import Generation
@@ -68,8 +69,6 @@ class ServerState:
         self._chat_template: Any = None
 
     def chat_template(self) -> Any:
-        from kunlun_infer.chat import engine_chat_template
-
         if self._chat_template is None:
             self._chat_template = engine_chat_template(self.engine)
         return self._chat_template
@@ -177,8 +176,6 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         async def handle() -> Response:
-            from kunlun_infer.chat import encode_prompt
-
             req = await parse_body(request, ChatCompletionRequest)
             state.check_model(req.model)
             text = state.chat_template().render(req.template_messages(), tools=req.tools,

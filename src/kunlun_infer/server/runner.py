@@ -19,7 +19,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kunlun_infer.config import check_ranges
+from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.errors import ConfigError
+from kunlun_infer.server.app import build_app
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -53,8 +55,6 @@ def serve(config: DictConfig, *, on_ready: Any = None) -> None:
     """Build the engine for ``config`` and serve it until interrupted. ``on_ready(host, port)`` once bound."""
     import uvicorn
 
-    from kunlun_infer.engine.engine import LLMEngine
-    from kunlun_infer.server.app import build_app
 
     check_ranges(config)
     sock = bind(str(config.server.host), int(config.server.port))

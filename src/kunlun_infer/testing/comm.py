@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kunlun_infer.testing.compare import ConformanceError
+from kunlun_infer.testing.harness import build_runtime
 
 
 def free_port() -> int:
@@ -64,8 +65,6 @@ def run_collectives(comm: Any, device: torch.device, rank: int, world: int) -> N
 def _worker(rank: int, world: int, init_method: str, overrides: list[str], modules: list[str],
             results: Any) -> None:
     try:
-        from kunlun_infer.testing.harness import build_runtime
-
         with build_runtime(overrides, modules, local_rank=rank) as rt:
             rt.init_comm(rank=rank, world_size=world, init_method=init_method, timeout_s=60.0)
             _check_layout(rt.comm, rank, world)

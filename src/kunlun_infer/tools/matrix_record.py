@@ -33,6 +33,7 @@ from typing import Any
 
 from kunlun_infer.errors import KunlunInferError
 from kunlun_infer.hookspecs import CAPABILITIES, HOOK_API_VERSION_STR
+from kunlun_infer.version import __version__
 
 RECORD_ENV = "KUNLUN_INFER_MATRIX_RECORD"
 SCHEMA = 1
@@ -60,8 +61,6 @@ def record_path(explicit: str | os.PathLike[str] | None = None,
 
 def installed(manager: Any) -> dict[str, Any]:
     """The framework and every plugin the manager knows: version, distribution, options, stack, load error."""
-    from kunlun_infer import __version__
-
     plugins = {}
     for row in manager.describe():
         dist = f"{row['distribution']} {row['distribution_version']}" if row["distribution"] else row["source"]

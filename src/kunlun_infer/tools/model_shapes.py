@@ -16,6 +16,9 @@ from typing import Any
 import torch
 
 from kunlun_infer.errors import ModelLoadError
+from kunlun_infer.layers import LayerContext
+from kunlun_infer.models import load_model_config
+from kunlun_infer.models.loader import model_class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +41,6 @@ class _NoComm:
 def meta_model(arch: Any, *, tensor_size: int = 1, max_model_len: int | None = None,
                dtype: torch.dtype = torch.float32) -> Any:
     """Rank 0's model of ``tensor_size`` ranks, built on the meta device (no memory, no weights)."""
-    from kunlun_infer.layers import LayerContext
-    from kunlun_infer.models.loader import model_class
-
     ctx = LayerContext(ops=None, device=torch.device("meta"), dtype=dtype, tp_rank=0, tp_size=tensor_size,
                        comm=_NoComm() if tensor_size > 1 else None)
     try:
@@ -56,8 +56,6 @@ def _param_count(model: Any) -> int:
 
 def model_shapes(model_dir: str | Path, *, tensor_size: int = 1) -> ModelShapes:
     """Sizes of the model in ``model_dir`` (only ``config.json`` is read) on one of ``tensor_size`` ranks."""
-    from kunlun_infer.models import load_model_config
-
     arch = load_model_config(model_dir)
     whole = meta_model(arch, max_model_len=1)
     rank = whole if tensor_size == 1 else meta_model(arch, tensor_size=tensor_size, max_model_len=1)

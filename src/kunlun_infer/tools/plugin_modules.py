@@ -15,6 +15,7 @@ from typing import Any
 
 from kunlun_infer.commands.base import Param
 from kunlun_infer.errors import PluginError
+from kunlun_infer.runtime.manager import LoadError
 
 REGISTER_PARAM = Param("register", "import path of a plugin module to register by code, for a plugin not "
                                    "installed yet (repeatable)", multiple=True)
@@ -22,8 +23,6 @@ REGISTER_PARAM = Param("register", "import path of a plugin module to register b
 
 def register_modules(manager: Any, modules: Sequence[str], *, strict: bool) -> None:
     """Register each module on ``manager``; a failure raises (``strict``) or joins ``manager.load_errors``."""
-    from kunlun_infer.runtime.manager import LoadError
-
     for path in modules:
         try:
             try:

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from kunlun_infer.models.config import parse_model_config
+from kunlun_infer.tools.model_shapes import meta_model
+
 VOCAB_SIZE = 257  # 256 bytes + <|endoftext|>
 EOS_ID = 256
 HEAD_DIM = 16
@@ -39,8 +42,6 @@ def write_tiny_model(folder: str | Path, *, tensor_size: int = 1, seed: int = 0,
     """Write the tiny model into ``folder`` (created if needed) and return it."""
     from safetensors.torch import save_file
 
-    from kunlun_infer.models.config import parse_model_config
-    from kunlun_infer.tools.model_shapes import meta_model
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from kunlun_infer.engine.engine import LLMEngine
+from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.tools.bench.workload import Workload
 
 PERCENTILES = (50, 90, 99)
@@ -87,8 +89,6 @@ def _progress(total: int, enabled: bool | None, desc: str, stream: Any) -> Any:
 def run_workload(engine: Any, workload: Workload, *, progress: bool | None = None, progress_stream: Any = None,
                  desc: str = "bench") -> BenchResult:
     """Run ``workload`` on a started engine and measure it (the engine is left open)."""
-    from kunlun_infer.engine.params import SamplingParams
-
     memory = engine.runtime.memory
     memory.reset_peak()
     stats0 = engine.stats()
@@ -139,8 +139,6 @@ def run_workload(engine: Any, workload: Workload, *, progress: bool | None = Non
 def run_bench(cfg: DictConfig, workload: Workload, *, runtime: Any = None, progress: bool | None = None,
               progress_stream: Any = None, desc: str = "bench") -> BenchResult:
     """Start an engine for ``cfg`` (on ``runtime`` when given), run ``workload``, close the engine."""
-    from kunlun_infer.engine.engine import LLMEngine
-
     engine = LLMEngine(cfg, runtime=runtime)
     try:
         return run_workload(engine, workload, progress=progress, progress_stream=progress_stream, desc=desc)

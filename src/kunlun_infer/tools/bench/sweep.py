@@ -13,6 +13,7 @@ from typing import Any
 
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.hookspecs import CAPABILITIES
+from kunlun_infer.runtime import compose_config
 from kunlun_infer.tools.bench.knee import DEFAULT_FRACTION, find_knee, marginal_gains
 from kunlun_infer.tools.bench.run import BenchResult, run_bench
 from kunlun_infer.tools.bench.workload import Workload
@@ -49,7 +50,6 @@ def run_sweep(overrides: Sequence[str], key: str, values: Sequence[Any], workloa
     """
     from tqdm.auto import tqdm
 
-    from kunlun_infer.runtime import compose_config
 
     reuse = runtime is not None and key.split(".", 1)[0] not in CAPABILITIES
     results: list[BenchResult] = []

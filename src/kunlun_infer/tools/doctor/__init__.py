@@ -16,12 +16,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kunlun_infer.runtime import PluginManager
 from kunlun_infer.tools.doctor import (stage_collectives, stage_device, stage_inference, stage_parallel,
                                        stage_plugins, stage_tuning)
 from kunlun_infer.tools.doctor.blame import blame
 from kunlun_infer.tools.doctor.context import DoctorContext
 from kunlun_infer.tools.doctor.report import (FAIL, NOT_APPLICABLE, PASS, DoctorReport, Failure, NotApplicable,
                                               StageFailed, StageResult)
+from kunlun_infer.tools.plugin_modules import register_modules
+from kunlun_infer.tools.repro import Repro, default_repro_dir, write_repro
 
 #: (number, name, run) of every stage, in order
 STAGES: tuple[tuple[int, str, Callable[[DoctorContext, StageResult], None]], ...] = (
@@ -62,8 +65,6 @@ _GENERIC_REPROS = {1: "device", 2: "plugins"}
 
 
 def _write_generic_repro(ctx: DoctorContext, result: StageResult) -> str | None:
-    from kunlun_infer.tools.repro import Repro, write_repro
-
     f = result.failure
     repro = Repro(kind=_GENERIC_REPROS[result.number], stage=result.number, stage_name=result.name,
                   subject=f.plugin or _GENERIC_REPROS[result.number], summary=f.message, layer=f.layer,
@@ -87,10 +88,6 @@ def run_doctor(overrides: Sequence[str] = (), *, modules: Sequence[str] = (), pl
     repros of failures go (default: a folder under the system temp dir).
     ``on_stage`` is called after each stage (for live output).
     """
-    from kunlun_infer.runtime import PluginManager
-    from kunlun_infer.tools.plugin_modules import register_modules
-    from kunlun_infer.tools.repro import default_repro_dir
-
     manager = plugin_manager if plugin_manager is not None else PluginManager.load(strict=False)
     register_modules(manager, modules, strict=False)
     ctx = DoctorContext(overrides=[str(o) for o in overrides], modules=list(modules), manager=manager,

@@ -18,7 +18,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kunlun_infer.errors import ConfigError
-from kunlun_infer.hookspecs import CAPABILITIES
+from kunlun_infer.hookspecs import CAPABILITIES, HOOK_API_VERSION_STR
+from kunlun_infer.runtime import compose_config
+from kunlun_infer.tools.tiny_model import write_tiny_model
+from kunlun_infer.version import __version__
 
 
 def capability_choices(overrides: list[str]) -> dict[str, str]:
@@ -61,8 +64,6 @@ class DoctorContext:
 
     def compose(self) -> None:
         """Compose the run's config; a failure is kept for stage 2 when a plugin failed to load."""
-        from kunlun_infer.runtime import compose_config
-
         try:
             self.cfg = compose_config(self.overrides, plugin_manager=self.manager)
         except ConfigError as exc:
@@ -82,8 +83,6 @@ class DoctorContext:
 
     def tiny_model(self, tensor_size: int = 1) -> Path:
         """A tiny random Llama that splits over ``tensor_size`` ranks (written once per size)."""
-        from kunlun_infer.tools.tiny_model import write_tiny_model
-
         if tensor_size not in self._tiny:
             self._tiny[tensor_size] = write_tiny_model(self.scratch / f"tiny-tp{tensor_size}",
                                                        tensor_size=tensor_size, seed=self.seed)
@@ -91,9 +90,6 @@ class DoctorContext:
 
     def plugin_versions(self) -> dict[str, str]:
         """``capability -> "option: plugin version (distribution version)"`` for the chosen plugins."""
-        from kunlun_infer import __version__
-        from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
-
         versions = {"kunlun-infer": f"{__version__} (hook API {HOOK_API_VERSION_STR})"}
         if self.cfg is None:
             return versions

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from kunlun_infer.testing import check_collectives
 from kunlun_infer.tools.doctor.context import DoctorContext
 from kunlun_infer.tools.doctor.report import Failure, NotApplicable, StageFailed, StageResult
 from kunlun_infer.tools.repro import Repro, write_repro
@@ -20,8 +21,6 @@ _COLLECTIVE = re.compile(r"comm: (\w+)\(([^)]*)\)")
 
 
 def run(ctx: DoctorContext, result: StageResult) -> None:
-    from kunlun_infer.testing import check_collectives
-
     world = ctx.world_size
     if world <= 1:
         raise NotApplicable("world size 1 (set parallel.tensor_size=N to check N ranks)")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kunlun_infer.capabilities import Device, MemoryAllocator
+from kunlun_infer.runtime import compose_config
 from kunlun_infer.runtime.guard import guard, guarded_call
 from kunlun_infer.tools.doctor.blame import blame
 from kunlun_infer.tools.doctor.context import DoctorContext, overrides_for
@@ -28,7 +29,6 @@ _VISIBLE = ("check that the device is visible to this process: driver loaded, th
 def _device_config(ctx: DoctorContext) -> Any:
     if ctx.cfg is not None:
         return ctx.cfg
-    from kunlun_infer.runtime import compose_config
 
     return compose_config(overrides_for(ctx.overrides, ("device", "memory")), plugin_manager=ctx.manager)
 

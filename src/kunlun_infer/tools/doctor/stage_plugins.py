@@ -14,10 +14,12 @@ from typing import Any
 
 from kunlun_infer.hookspecs import CAPABILITIES, HOOK_API_VERSION_STR
 from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.runtime import Runtime
 from kunlun_infer.runtime.versions import api_range_admits
 from kunlun_infer.tools.doctor.blame import blame
 from kunlun_infer.tools.doctor.context import DoctorContext, capability_choices
 from kunlun_infer.tools.doctor.report import Failure, StageFailed, StageResult
+from kunlun_infer.version import __version__
 
 NAME = "chosen plugins load; versions and hook API match"
 
@@ -76,9 +78,6 @@ def op_coverage(runtime: Any) -> dict[str, str]:
 
 
 def run(ctx: DoctorContext, result: StageResult) -> None:
-    from kunlun_infer import __version__
-    from kunlun_infer.runtime import Runtime
-
     if ctx.cfg is None:
         raise StageFailed(loading_failure(ctx, ctx.compose_error))
     matrix = version_matrix(ctx)

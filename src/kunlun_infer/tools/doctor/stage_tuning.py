@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kunlun_infer.engine.setup import model_dir
+from kunlun_infer.models import load_model_config
 from kunlun_infer.tools.bench.sweep import run_sweep, sweep_table
 from kunlun_infer.tools.bench.workload import LengthRange, synthetic_workload
 from kunlun_infer.tools.doctor.context import DoctorContext
@@ -21,8 +23,6 @@ OUTPUT_LEN = 16
 
 def _model(ctx: DoctorContext) -> tuple[list[str], Path, bool]:
     """Overrides for the sweep, the model folder, and whether it is the configured model."""
-    from kunlun_infer.engine.setup import model_dir
-
     try:
         folder = model_dir(ctx.cfg.model.path)
         if any(folder.glob("*.safetensors")):
@@ -35,8 +35,6 @@ def _model(ctx: DoctorContext) -> tuple[list[str], Path, bool]:
 
 
 def run(ctx: DoctorContext, result: StageResult) -> None:
-    from kunlun_infer.models import load_model_config
-
     overrides, folder, configured = _model(ctx)
     vocab = load_model_config(folder).vocab_size
     values = sorted(set(ctx.sweep_values))

@@ -1,0 +1,135 @@
+"""The package's modules import each other without cycles.
+
+The graph is read from the source: an edge for every module-level import of a
+``kunlun_infer`` module (imports under ``if TYPE_CHECKING:`` and inside
+functions are not run at import time and are left out). ``from package import
+name`` points at the submodule when ``name`` is one, else at the package's
+``__init__``. A cycle means a module's import works only in some orders; a
+function-local import that papers over one is counted by the second test.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parents[1] / "src"
+CONF = Path(__file__).resolve().parents[1] / "conf"
+PACKAGE = "kunlun_infer"
+#: how many imports of the package may sit inside functions: a few load optional dependencies
+#: (the HTTP server, plotting) or a plugin's own modules only when a command needs them
+MAX_LOCAL_IMPORTS = 28
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((SOURCE / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(SOURCE).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    found[f"{PACKAGE}.conf"] = CONF / "__init__.py"
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.append(node)
+            elif isinstance(node, ast.If) and not _is_type_checking(node.test):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(tree.body)
+    return found
+
+
+def _targets(node: ast.Import | ast.ImportFrom, modules: dict[str, Path], here: str) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in modules}
+    base = node.module or ""
+    if node.level:  # relative import
+        package = here if modules[here].name == "__init__.py" else here.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    if base not in modules:
+        return set()
+    return {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        graph[name] = set().union(*(_targets(n, modules, name) for n in _module_level_imports(tree))) - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a list of modules (first = last), or None."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for succ in sorted(graph.get(node, ())):
+            if state.get(succ) == 1:
+                return path[path.index(succ):] + [succ]
+            if succ not in state:
+                found = visit(succ)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def _local_imports() -> list[str]:
+    found = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        for func in ast.walk(tree):
+            if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(func):
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+                        found.append(f"{name}:{node.lineno} from {node.module}")
+    return sorted(set(found))
+
+
+def test_the_package_imports_without_cycles():
+    graph = import_graph()
+    assert len(graph) > 100 and "kunlun_infer.engine.engine" in graph["kunlun_infer"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_a_cycle_is_found_when_there_is_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_few_imports_of_the_package_hide_inside_functions():
+    local = _local_imports()
+    assert len(local) <= MAX_LOCAL_IMPORTS, "\n".join(local)
