@@ -5,7 +5,7 @@ The graph is read from the source: an edge for every module-level import of a
 functions are not run at import time and are left out). ``from package import
 name`` points at the submodule when ``name`` is one, else at the package's
 ``__init__``. A cycle means a module's import works only in some orders; a
-function-local import that papers over one is counted by the second test.
+function-local import that papers over one is refused by the last test.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parents[1] / "src"
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PACKAGE = "kunlun_infer"
-#: how many imports of the package may sit inside functions: a few load optional dependencies
-#: (the HTTP server, plotting) or a plugin's own modules only when a command needs them
-MAX_LOCAL_IMPORTS = 28
+#: the imports of the package that stay inside functions, each for a reason other than a cycle
+LOCAL_IMPORTS = {
+    "kunlun_infer.commands.serve": "kunlun_infer.server",  # fastapi and uvicorn are an optional extra
+    "kunlun_infer.testing.pytest_plugin": "kunlun_infer.testing.harness",  # every pytest session loads the plugin
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -106,7 +108,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _local_imports() -> list[str]:
+def _local_imports() -> list[tuple[str, str]]:
     found = []
     for name, path in _modules().items():
         tree = ast.parse(path.read_text(), str(path))
@@ -114,7 +116,7 @@ def _local_imports() -> list[str]:
             if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(func):
                     if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
-                        found.append(f"{name}:{node.lineno} from {node.module}")
+                        found.append((name, node.module))
     return sorted(set(found))
 
 
@@ -130,6 +132,7 @@ def test_a_cycle_is_found_when_there_is_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_few_imports_of_the_package_hide_inside_functions():
-    local = _local_imports()
-    assert len(local) <= MAX_LOCAL_IMPORTS, "\n".join(local)
+def test_imports_of_the_package_sit_inside_functions_only_for_a_reason():
+    unexplained = [f"{module} imports {target} inside a function" for module, target in _local_imports()
+                   if LOCAL_IMPORTS.get(module) != target]
+    assert not unexplained, "\n".join(unexplained)

@@ -14,6 +14,8 @@ import json
 from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation, Param, UsageError
+from kunlun_infer.runtime import Runtime
+from kunlun_infer.tools.memory_plan import make_plan, with_overrides
 from kunlun_infer.tools.plugin_modules import REGISTER_PARAM, register_modules
 from kunlun_infer.tools.sizes import format_bytes, parse_size
 
@@ -80,9 +82,6 @@ def _comparison(plans: list[Any]) -> list[str]:
 
 
 def run(inv: Invocation) -> int:
-    from kunlun_infer.runtime import Runtime
-    from kunlun_infer.tools.memory_plan import make_plan, with_overrides
-
     given = inv.flags["device-memory"] or inv.params["device_memory"]
     if inv.flags["device-memory"] and inv.params["device_memory"]:
         raise UsageError("give the device memory once: device_memory=… or --device-memory …")

@@ -31,12 +31,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from kunlun_infer.engine.block_manager import BlockManager
-from kunlun_infer.engine.failures import describe_failure
 from kunlun_infer.config import check_ranges, setting
 from kunlun_infer.dtypes import dtype_name
+from kunlun_infer.engine.block_manager import BlockManager
+from kunlun_infer.engine.executor import TensorParallelGroup
+from kunlun_infer.engine.failures import describe_failure
 from kunlun_infer.engine.intake import Prompt, PreparedRequest, RequestIntake
 from kunlun_infer.engine.kv_cache import KVBudget, size_kv_cache
+from kunlun_infer.engine.launch import local_rank, resolve_parallel_config
 from kunlun_infer.engine.model_runner import ModelRunner, SampledToken
 from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.engine.params import SamplingParams
@@ -45,16 +47,16 @@ from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.setup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
 from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
+from kunlun_infer.models import load_model, load_model_config, load_tokenizer
+from kunlun_infer.runtime import Runtime
 
 log = logging.getLogger("kunlun_infer.framework")
+
 
 class LLMEngine:
     """Continuous-batching inference over one runtime. Build with :meth:`from_config`."""
 
     def __init__(self, config: DictConfig, *, runtime: Any = None) -> None:
-        from kunlun_infer.engine.launch import local_rank, resolve_parallel_config
-        from kunlun_infer.runtime import Runtime
-
         self.config = config = resolve_parallel_config(config)
         self._owns_runtime = runtime is None
         self.runtime = Runtime.from_config(config, local_rank=local_rank()) if runtime is None else runtime
@@ -86,8 +88,6 @@ class LLMEngine:
     # ------------------------------------------------------------------ start-up
 
     def _start(self) -> None:
-        from kunlun_infer.models import load_model, load_model_config
-
         cfg, rt = self.config, self.runtime
         check_ranges(cfg)  # composition checked them; a config built by hand did not go through it
         self.on_step_error = str(setting(cfg, "scheduler.on_step_error"))
@@ -103,8 +103,6 @@ class LLMEngine:
         free_before_weights = rt.device.mem_get_info()[0]
         self.block_size = int(cfg.cache.block_size)
         if tensor_size > 1:
-            from kunlun_infer.engine.executor import TensorParallelGroup
-
             self.parallel = TensorParallelGroup.start(cfg, rt)
             model = self.parallel.load_model(self.model_path, dtype=self.dtype, max_model_len=self.max_model_len,
                                              block_size=self.block_size)
@@ -152,8 +150,6 @@ class LLMEngine:
                  self.max_model_len, num_blocks)
 
     def _load_tokenizer(self) -> Any:
-        from kunlun_infer.models import load_tokenizer
-
         folder = self.config.model.tokenizer or self.model_path
         if self.config.model.tokenizer is None and not (self.model_path / "tokenizer.json").is_file():
             log.warning("%s has no tokenizer.json: prompts must be token ids and outputs carry no text",

@@ -40,6 +40,7 @@ from kunlun_infer.engine.launch import free_loopback_port, torchrun_place
 from kunlun_infer.engine.model_runner import ModelRunner, StepInputs
 from kunlun_infer.engine.spawn import WorkerProcesses
 from kunlun_infer.errors import ConfigError, PluginError, WorkerError
+from kunlun_infer.models import load_model
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -120,8 +121,6 @@ class TensorParallelGroup:
 
     def load_model(self, model_path: Any, *, dtype: torch.dtype, max_model_len: int, block_size: int) -> Any:
         """Every rank loads its shard; returns rank 0's. Raises the first failure of any rank."""
-        from kunlun_infer.models import load_model
-
         spec = {"model_path": str(model_path), "dtype": dtype_name(dtype),
                 "max_model_len": int(max_model_len), "block_size": int(block_size)}
         with self.collective("sending the load request"):

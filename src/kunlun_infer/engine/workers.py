@@ -30,6 +30,8 @@ from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine.distributed import ControlPlane, Kind, exchange_status, exchange_step_failures
 from kunlun_infer.engine.launch import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.engine.model_runner import ModelRunner
+from kunlun_infer.models import load_model
+from kunlun_infer.runtime import Runtime
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -67,8 +69,6 @@ class Worker:
 
     def load(self, spec: dict[str, Any]) -> bool:
         """Load this rank's shard; every rank then learns who succeeded. True when all did."""
-        from kunlun_infer.models import load_model
-
         error = None
         free_before = self.runtime.device.mem_get_info()[0]
         try:
@@ -91,8 +91,6 @@ class Worker:
 
 def serve_rank(cfg: DictConfig, place: Place, init_method: str | None) -> None:
     """Build this rank's runtime, join the group, serve until ``STOP``, release everything."""
-    from kunlun_infer.runtime import Runtime
-
     runtime = Runtime.from_config(cfg, local_rank=place.local_rank)
     try:
         runtime.init_comm(rank=place.rank, world_size=place.world_size, init_method=init_method)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
+from kunlun_infer.ops.attention import AttentionSpec
 from kunlun_infer.runtime import compose_config
 from kunlun_infer.testing.attention import DEFAULT_SHAPES, check_backend
 from kunlun_infer.testing.comm import check_collectives, run_collectives
@@ -70,8 +71,6 @@ def test_op_matches_reference(kunlun_runtime, op, dtype):
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape", DEFAULT_SHAPES, ids=lambda s: "q{}-kv{}-d{}".format(*s))
 def test_attention_backend_matches_reference(kunlun_runtime, shape, dtype):
-    from kunlun_infer.ops.attention import AttentionSpec
-
     device = kunlun_runtime.device
     if dtype not in device.supported_dtypes():
         pytest.skip(f"device '{device.name}' does not support {dtype}")

@@ -25,8 +25,16 @@ from omegaconf import DictConfig, open_dict
 
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, size_kv_cache
+from kunlun_infer.engine.model_runner import ModelRunner
+from kunlun_infer.engine.sampler import Sampler
+from kunlun_infer.engine.setup import (choose_dtype, choose_max_model_len, estimate_activation_bytes,
+                                       measure_activation_bytes, model_dir)
+from kunlun_infer.models import load_model, load_model_config, model_class, resolve_dtype
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
 from kunlun_infer.ops.reference_attention import ReferenceAttentionBackend
+from kunlun_infer.runtime import PluginManager
+from kunlun_infer.runtime.attention import plugin_attention_backend
+from kunlun_infer.runtime.guard import guarded_call
 from kunlun_infer.tools.model_shapes import ModelShapes, model_shapes
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -107,14 +115,9 @@ def plan_attention_backend(cfg: DictConfig, spec: AttentionSpec, *, runtime: Any
     Asks ``runtime``'s ops plugin, or — without a runtime — the ops provider
     built without a device, as ``kunlun-infer plugins`` does.
     """
-    from kunlun_infer.runtime.attention import plugin_attention_backend
-    from kunlun_infer.runtime.guard import guarded_call
-
     if runtime is not None:
         backend = runtime.attention_backend(spec)
     else:
-        from kunlun_infer.runtime import PluginManager
-
         manager = plugin_manager if plugin_manager is not None else PluginManager.load()
         plugin, factory = manager.factory("ops", str(cfg.ops.name))
         provider = guarded_call(plugin, f"ops factory '{cfg.ops.name}'", factory, config=cfg.ops, device=None)
@@ -132,10 +135,6 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Any
     the warm-up that measures the activation peak. Without a runtime, the
     ops plugin (for the KV layout) comes from ``plugin_manager``.
     """
-    from kunlun_infer.engine.setup import (choose_dtype, choose_max_model_len, estimate_activation_bytes,
-                                           model_dir)
-    from kunlun_infer.models import load_model_config, model_class, resolve_dtype
-
     if device_memory is None and runtime is None:
         raise ValueError("make_plan needs device_memory or a runtime")
     folder = model_dir(cfg.model.path)
@@ -188,11 +187,6 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Any
 def _measure(runtime: Any, folder: Path, arch: Any, dtype: torch.dtype, block_size: int, max_model_len: int,
              warm_tokens: int, max_num_seqs: int) -> tuple[int, int]:
     """Load the model and run the engine's warm-up: ``(weight bytes, activation peak)``; frees it all."""
-    from kunlun_infer.engine.model_runner import ModelRunner
-    from kunlun_infer.engine.sampler import Sampler
-    from kunlun_infer.engine.setup import measure_activation_bytes
-    from kunlun_infer.models import load_model
-
     model = load_model(folder, runtime=runtime, dtype=dtype, max_model_len=max_model_len)
     try:
         device = runtime.device.torch_device

@@ -21,6 +21,11 @@ from typing import Any
 import torch
 
 from kunlun_infer.capabilities import DictOpsProvider
+from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, free_kv_caches
+from kunlun_infer.engine.model_runner import build_step_inputs
+from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.engine.sequence import Sequence
+from kunlun_infer.models import load_model, load_model_config, model_class
 from kunlun_infer.ops import OP_SPECS
 from kunlun_infer.runtime.optable import COUPLED_OPS, OpTable, resolve
 from kunlun_infer.testing.compare import ConformanceError, assert_matches
@@ -85,8 +90,6 @@ def _prompts(seed: int, vocab: int) -> list[list[int]]:
 
 def plugin_serves_attention(runtime: Any, folder: Path) -> bool:
     """True when the runtime's ops plugin serves the model in ``folder`` with an attention backend of its own."""
-    from kunlun_infer.models import load_model_config, model_class
-
     arch = load_model_config(folder)
     return runtime.attention_backend(model_class(arch).attention_spec(arch, dtype=torch.float32)) is not None
 
@@ -104,12 +107,6 @@ def _batch_rows(counts: list[int], order: Any) -> torch.Tensor:
 def run_logits(runtime: Any, folder: Path, table: OpTable, *, seed: int = 0,
                plugin_attention: bool = False) -> list[torch.Tensor]:
     """Float32 logits of every token of every step of the scripted batch (host tensors, batch-row order)."""
-    from kunlun_infer.engine.kv_cache import KVLayout, allocate_kv_caches, free_kv_caches
-    from kunlun_infer.engine.model_runner import build_step_inputs
-    from kunlun_infer.engine.params import SamplingParams
-    from kunlun_infer.engine.sequence import Sequence
-    from kunlun_infer.models import load_model
-
     model = load_model(folder, runtime=OpsRuntime(runtime, table, plugin_attention=plugin_attention),
                        dtype=torch.float32, max_model_len=MAX_MODEL_LEN)
     device = runtime.device.torch_device

@@ -18,12 +18,15 @@ from typing import Any
 import torch
 
 from kunlun_infer.dtypes import dtype_name
+from kunlun_infer.engine.engine import LLMEngine
+from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
 from kunlun_infer.testing import ConformanceError, check_attention_backend, check_op
 from kunlun_infer.tools.doctor.context import DoctorContext
 from kunlun_infer.tools.doctor.model_check import (ATTENTION_UNIT, OpsRuntime, compare_logits, find_culprit,
                                                    mixed_table, plugin_serves_attention, run_logits)
 from kunlun_infer.tools.doctor.report import Failure, StageFailed, StageResult
+from kunlun_infer.tools.memory_plan import with_overrides
 from kunlun_infer.tools.repro import Repro, write_repro
 
 NAME = "single-device inference of a tiny model equals the reference ops"
@@ -134,8 +137,6 @@ def _check_model(ctx: DoctorContext, served: list[str], plugin_attention: bool, 
 
 def tiny_config(ctx: DoctorContext, folder: Any, **extra: Any) -> Any:
     """The run's config with the tiny model and a small engine (cache fixed, float32)."""
-    from kunlun_infer.tools.memory_plan import with_overrides
-
     keys = {"model__path": str(folder), "model__dtype": "float32", "model__max_model_len": 256,
             "model__tokenizer": None, "cache__num_blocks": 64, "cache__block_size": 16,
             "scheduler__max_num_seqs": 4, "scheduler__max_num_batched_tokens": 64, "parallel__tensor_size": 1}
@@ -145,9 +146,6 @@ def tiny_config(ctx: DoctorContext, folder: Any, **extra: Any) -> Any:
 
 def greedy_tokens(cfg: Any, runtime: Any = None, prompts: Any = PROMPTS) -> list[list[int]]:
     """Greedy tokens of ``prompts`` from an engine on ``cfg`` (on ``runtime`` when given)."""
-    from kunlun_infer.engine.engine import LLMEngine
-    from kunlun_infer.engine.params import SamplingParams
-
     engine = LLMEngine(cfg, runtime=runtime)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
