@@ -42,17 +42,16 @@ class PreparedRequest:
         return copy.copy(self._params)
 
 
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class RequestIntake:
     """Tokenizes and checks requests for one engine, whose limits it is given."""
 
-    def __init__(self, *, tokenizer: Any, vocab_size: int, max_model_len: int, max_kv_tokens: int,
-                 max_num_seqs: int) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        #: tokens the whole KV cache holds: no request may need more, even running alone
-        self.max_kv_tokens = max_kv_tokens
-        self.max_num_seqs = max_num_seqs
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    #: tokens the whole KV cache holds: no request may need more, even running alone
+    max_kv_tokens: int
+    max_num_seqs: int
 
     @property
     def max_request_tokens(self) -> int:
