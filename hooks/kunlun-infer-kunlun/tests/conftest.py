@@ -37,11 +37,11 @@ def build_model(folder, arch: str):
 
     config_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                              "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[arch]
-    extra = {"head_dim": 32} if arch == "qwen3" else {}
-    config = config_cls(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        rms_norm_eps=1e-6, eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=None,
-                        tie_word_embeddings=False, **extra)
+    # head size 32: the smallest the vendor's attention kernels serve (Qwen3's is explicit, Llama's is hidden / heads)
+    extra = {"head_dim": 32, "hidden_size": 64} if arch == "qwen3" else {"hidden_size": 128}
+    config = config_cls(vocab_size=VOCAB_SIZE, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=EOS_ID,
+                        bos_token_id=None, pad_token_id=None, tie_word_embeddings=False, **extra)
     torch.manual_seed(7)
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():  # random norm weights too, so a norm that drops its weight shows

@@ -354,6 +354,7 @@ def prefill_attention(*, q, k, v, out, is_causal, context_qlen_lod_cpu, context_
             a, b = q_lod[i], q_lod[i + 1]
             out[a:b] = _attend(q[a:b], k[a:b], v[a:b], scale).to(out.dtype)
         return
+    calls["prefill_attention:prefix_cache"] += 1
     kv_heads = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
     for name, cache in (("k", k), ("v", v)):
         _cache(fn, name, cache, kv_heads=kv_heads, head_dim=head_dim, dtype=q.dtype)

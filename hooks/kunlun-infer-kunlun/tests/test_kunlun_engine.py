@@ -1,7 +1,17 @@
-"""The engine on ``ops=kunlun`` (CPU device, stand-in ``kunlun_ops``) token for token with transformers."""
+"""The engine on ``ops=kunlun`` (CPU device, stand-in ``kunlun_ops``) token for token with transformers.
+
+With the stand-in installed the run uses every vendor call: the norms,
+SwiGLU and rotary kernels, and the Kunlun attention backend (head-major
+cache, decodes first, ``reshape_and_cache_flash``, ``speculative_attention``
+and ``prefill_attention`` in both its modes) — under chunked prefill, prefix
+caching and preemption. Without the library the same run is just as correct,
+on the torch path, and says once what fell back.
+"""
 
 import logging
 import sys
+
+import pytest
 
 from kunlun_infer import LLM, SamplingParams
 
@@ -9,25 +19,62 @@ from kunlun_infer_kunlun.ops import VENDOR_OPS
 
 ENGINE = ["device=cpu", "ops=kunlun", "model.max_model_len=256", "scheduler.max_num_seqs=8",
           "scheduler.max_num_batched_tokens=128", "cache.block_size=16", "cache.num_blocks=48"]
+SCHEDULES = {
+    "batched": [],
+    "chunked prefill": ["scheduler.max_num_batched_tokens=24"],
+    "preemption": ["cache.num_blocks=8"],  # the longest request needs 4 blocks, the batch about 12
+}
+ATTENTION_CALLS = ("reshape_and_cache_flash", "speculative_attention", "prefill_attention")
 
 
-def generate(model, *extra):
+def generate(model, *extra, batches=None):
+    """Greedy tokens of each batch of prompts (default: the model's prompts) in turn, and the engine's stats."""
     with LLM(model=str(model.folder), overrides=[*ENGINE, *extra]) as llm:
         assert llm.engine.runtime.plugin_for("ops") == "kunlun"
         params = SamplingParams(max_tokens=model.max_tokens, temperature=0)
-        return [o.token_ids for o in llm.generate(model.prompts, params, use_tqdm=False)]
+        tokens = [o.token_ids for prompts in batches or [model.prompts]
+                  for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]  # nothing leaked
+        return tokens, stats
 
 
-def test_vendor_kernels_run_the_model_token_for_token(standin, tiny_model, caplog):
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_vendor_kernels_run_the_model_token_for_token(standin, tiny_model, schedule, caplog):
     with caplog.at_level(logging.WARNING, logger="kunlun_infer"):
-        assert generate(tiny_model) == tiny_model.references
+        tokens, stats = generate(tiny_model, *SCHEDULES[schedule])
+    assert tokens == tiny_model.references
     assert all(standin.calls[f] > 0 for functions in VENDOR_OPS.values() for f in functions)
-    assert "plain-torch reference" not in caplog.text  # every vendor op was served by its kernel
+    assert all(standin.calls[f] > 0 for f in ATTENTION_CALLS)
+    assert "plain-torch reference" not in caplog.text and "torch path" not in caplog.text
+    if schedule == "chunked prefill":  # later chunks read the earlier ones from the cache
+        assert standin.calls["prefill_attention:prefix_cache"] > 0
+    if schedule == "preemption":
+        assert stats["num_preemptions"] > 0
+
+
+def test_a_prefix_cache_hit_reads_the_cached_blocks_through_the_prefix_mode(standin, tiny_model):
+    longest = max(tiny_model.prompts, key=len)
+    expected = tiny_model.references[tiny_model.prompts.index(longest)]
+    tokens, stats = generate(tiny_model, batches=[[longest], [longest + [7], longest]])
+    assert tokens[0] == tokens[2] == expected
+    assert stats["prefix_cache_hit_tokens"] > 0 and standin.calls["prefill_attention:prefix_cache"] > 0
+
+
+def test_samples_sharing_a_prompt_each_give_the_greedy_continuation(standin, tiny_model):
+    longest = max(tiny_model.prompts, key=len)
+    expected = tiny_model.references[tiny_model.prompts.index(longest)]
+    with LLM(model=str(tiny_model.folder), overrides=ENGINE) as llm:
+        params = SamplingParams(n=3, max_tokens=tiny_model.max_tokens, temperature=0)
+        outs = llm.generate([longest], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [expected] * 3
+    assert standin.calls["speculative_attention"] > 0
 
 
 def test_without_the_library_the_run_is_correct_and_says_once_what_fell_back(monkeypatch, tiny_model, caplog):
     monkeypatch.setitem(sys.modules, "kunlun_ops", None)
     with caplog.at_level(logging.WARNING, logger="kunlun_infer"):
-        assert generate(tiny_model) == tiny_model.references
+        tokens, _ = generate(tiny_model)
+    assert tokens == tiny_model.references
     assert caplog.text.count("using the plain-torch reference") == 1
     assert "add_rms_norm, rms_norm, rotary_embedding, silu_and_mul" in caplog.text

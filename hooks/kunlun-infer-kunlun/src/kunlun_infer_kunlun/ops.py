@@ -4,10 +4,12 @@ Each op of :data:`VENDOR_OPS` calls the library's kernel when the library is
 importable and has that function. Where it does not, the op is not offered:
 the runtime runs it on the plain-torch reference, logs that once per run and
 counts the calls, and ``kunlun-infer plugins`` shows it as ``reference`` —
-op by op, so one missing function costs one op, not the table. The other
-ops (linear, embedding, and the 1.0 ``store_kv``/``paged_attention``) are
-torch expressions run by the vendor's torch build (``kunlun_infer_cuda``'s
-kernels).
+op by op, so one missing function costs one op, not the table. Linear
+layers and embeddings are torch expressions run by the vendor's torch build
+(``kunlun_infer_cuda``'s kernels). Attention is the backend of
+:mod:`kunlun_infer_kunlun.attention` (the library's cache layout and
+kernels); where the library cannot serve it, the framework's reference
+backend runs this table's torch ``store_kv`` and ``paged_attention``.
 
 How each op of the table maps onto a kernel call (argument order, in-place
 outputs and layouts as vLLM-Kunlun and sglang-kunlun call them; see the
@@ -42,7 +44,9 @@ import torch
 
 from kunlun_infer.capabilities import DictOpsProvider
 from kunlun_infer.ops import reference
+from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
 from kunlun_infer_cuda.ops import KERNELS as TORCH_KERNELS
+from kunlun_infer_kunlun.attention import kunlun_attention
 from kunlun_infer_kunlun.config import DEVICE
 from kunlun_infer_kunlun.vendor import MODULE_NAME, VendorKernels, load_vendor_kernels
 
@@ -160,6 +164,15 @@ class KunlunOps(DictOpsProvider):
                 self.vendor_ops[op] = functions
         super().__init__(kernels, name=DEVICE)
         self._report()
+
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackend | None:
+        """The library's paged-attention layout and kernels (:mod:`kunlun_infer_kunlun.attention`), where it has them.
+
+        ``None`` — the framework's reference backend on this table's torch
+        ``store_kv``/``paged_attention`` — without the library, without any of
+        its attention functions, or for a head size its kernels do not serve.
+        """
+        return kunlun_attention(spec, self.vendor)
 
     def kernel_source(self, op: str) -> str | None:
         """Where ``op`` runs: ``"kunlun_ops.<function>"``, ``"torch"``, or ``None`` (not offered: reference)."""
