@@ -28,9 +28,12 @@ def test_table_lists_simchip_and_its_op_coverage_gaps():
     coverage = text.split("op coverage")[1].splitlines()
     header = coverage[1].split()
     column = header.index("ops=simchip")
-    sources = {line.split()[0]: line.split()[column] for line in coverage[2:] if line.strip()}
+    table = coverage[2:coverage.index("")]  # the table ends at the first blank line
+    sources = {line.split()[0]: line.split()[column] for line in table}
     assert sources["paged_attention"] == "reference" and sources["rotary_embedding"] == "reference"
     assert sources["rms_norm"] == "simchip" and sources["linear"] == "simchip"
+    attention = text.split("attention backend for 32 query / 8 kv heads of 128, bfloat16")[1].splitlines()
+    assert "  ops=torch: reference" in attention  # the op table's store_kv and paged_attention serve it
 
 
 def test_json_matrix_carries_coverage_per_ops_option():
@@ -41,6 +44,7 @@ def test_json_matrix_carries_coverage_per_ops_option():
     for builtin in ("torch", "cpu"):  # the built-in op tables are complete and answer without a device
         assert data["ops_coverage"][builtin]["error"] is None
         assert data["ops_coverage"][builtin]["fallbacks"] == []
+        assert data["ops_coverage"][builtin]["attention"] == "reference"
     row = next(p for p in data["plugins"] if p["name"] == "simchip")
     assert row["distribution"] == "kunlun-infer-simchip" and row["options"]["device"] == ["simchip"]
 

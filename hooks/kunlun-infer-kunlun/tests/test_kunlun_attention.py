@@ -1,14 +1,18 @@
 """The Kunlun attention backend against the stand-in ``kunlun_ops``: layout, metadata, kernel calls, fallbacks."""
 
+import functools
 import logging
+import sys
 import types
 
 import pytest
 import torch
 
 import kunlun_ops_standin
+from kunlun_infer.commands.coverage import ops_coverage
 from kunlun_infer.ops.attention import AttentionSpec
 from kunlun_infer.ops.attention_step import AttentionStep
+from kunlun_infer.runtime import PluginManager
 from kunlun_infer.testing.attention import check_attention_backend, check_backend
 from kunlun_infer.testing.compare import ConformanceError
 
@@ -62,6 +66,18 @@ def test_metadata_splits_decodes_from_prefills_with_int32_host_and_device_length
 
 def test_paged_attention_serves_decodes_when_speculative_attention_is_missing(standin):
     kunlun = backend(library(exclude=("speculative_attention",)))
+    assert kunlun.decode_fn == "paged_attention"
+    check_backend(kunlun, SPEC, CPU)
+    assert standin.calls["paged_attention"] > 0
+
+
+def test_an_older_speculative_attention_without_a_window_leaves_decodes_to_paged_attention(standin):
+    def speculative_attention(*, out, q, k_cache, v_cache, context_lens_cpu, context_lens_xpu, batch_num, qlen,
+                              max_context_len, head_num, head_dim, scale, kv_head_num, block_size,
+                              max_num_blocks_per_seq, block_tables):
+        raise AssertionError("an older speculative_attention must not be called")
+
+    kunlun = backend(library(speculative_attention=speculative_attention))
     assert kunlun.decode_fn == "paged_attention"
     check_backend(kunlun, SPEC, CPU)
     assert standin.calls["paged_attention"] > 0
@@ -153,6 +169,7 @@ def test_a_wrong_kernel_call_fails(mutation):
     function, change = ATTENTION_MUTATIONS[mutation]
     kernel = getattr(kunlun_ops_standin, function)
 
+    @functools.wraps(kernel)  # the same signature: the backend inspects it
     def mutated(*args, **kwargs):
         args, kwargs = change(list(args), dict(kwargs))
         return kernel(*args, **kwargs)
@@ -169,3 +186,14 @@ def test_a_token_major_cache_is_refused():
 
     with pytest.raises(kunlun_ops_standin.Rejected, match="head-major"):
         check_backend(TokenMajor(SPEC, VendorKernels(library())), SPEC, CPU)
+
+
+def test_plugins_coverage_names_the_backend_and_where_each_call_runs(monkeypatch):
+    def attention_of(module):
+        monkeypatch.setitem(sys.modules, "kunlun_ops", module)
+        return ops_coverage(PluginManager.load())["kunlun"]["attention"]
+
+    assert attention_of(library()) == ("kunlun (store: kunlun_ops.reshape_and_cache_flash, decode: "
+                                       "kunlun_ops.speculative_attention, prefill: kunlun_ops.prefill_attention)")
+    assert "prefill: torch" in attention_of(library(exclude=("prefill_attention",)))
+    assert attention_of(None) == "reference"  # without the library: the op table's torch store_kv/paged_attention

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation
-from kunlun_infer.commands.coverage import coverage_table, ops_coverage
+from kunlun_infer.commands.coverage import ATTENTION_PROBE, coverage_table, ops_coverage
 from kunlun_infer.hookspecs import CAPABILITIES, HOOK_API_VERSION_STR
 from kunlun_infer.tools import matrix_record as mr
 from kunlun_infer.version import __version__
@@ -137,6 +137,12 @@ def run(inv: Invocation) -> int:
         for option, entry in coverage.items():
             if entry["error"]:
                 inv.print(f"  ops={option}: coverage unknown: {entry['error']}")
+        probe = ATTENTION_PROBE
+        inv.print(f"\nattention backend for {probe.num_heads} query / {probe.num_kv_heads} kv heads of "
+                  f"{probe.head_dim}, {str(probe.dtype).removeprefix('torch.')} ('reference' = the op table's "
+                  f"store_kv and paged_attention):")
+        for option, entry in coverage.items():
+            inv.print(f"  ops={option}: {'?' if entry['error'] else entry['attention']}")
     return 0
 
 

@@ -16,8 +16,9 @@ Calls (see the plugin README for the sources):
 - store: ``reshape_and_cache_flash(key, value, key_cache, value_cache,
   slots, BLHD_LAYOUT=False)`` with int32 slots;
 - decode: ``speculative_attention(...)`` with ``qlen=1`` and the scale, or,
-  without it, ``paged_attention(...)``, which always scales by
-  ``1/sqrt(head_dim)`` and so serves only that scale;
+  without it (or with one that has no ``max_window_size``: an older library,
+  as vLLM-Kunlun tells them apart), ``paged_attention(...)``, which always
+  scales by ``1/sqrt(head_dim)`` and so serves only that scale;
 - prefill: ``prefill_attention(...)`` on the step's own keys and values when
   no prefill of the step has cached context, and in prefix-cache mode on the
   cache (``is_prefix_cache=True``, block tables and key lods) when one has.
@@ -31,6 +32,7 @@ function is missing (said once, when the backend is built).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 from collections.abc import Sequence
@@ -138,7 +140,7 @@ class KunlunAttention(AttentionBackend):
         self.spec = spec
         self.vendor = vendor
         self.store_fn = next((f for f in STORE if vendor.has(f)), None)
-        self.decode_fn = next((f for f in DECODE if vendor.has(f)), None)
+        self.decode_fn = next((f for f in DECODE if vendor.has(f) and self._serves_decode(f)), None)
         self.prefill_fn = next((f for f in PREFILL if vendor.has(f)), None)
         self._warned_scale = False
         self.calls = {"store": self.store_fn, "decode": self.decode_fn, "prefill": self.prefill_fn}
@@ -151,6 +153,15 @@ class KunlunAttention(AttentionBackend):
                         ", ".join(torch_roles), self.name)
         else:
             log.info("ops=kunlun: attention backend %s", self.name)
+
+    def _serves_decode(self, function: str) -> bool:
+        """False for a ``speculative_attention`` without ``max_window_size``: older libraries' decodes use ``paged_attention``."""
+        if function != "speculative_attention":
+            return True
+        try:
+            return "max_window_size" in inspect.signature(self.vendor.get(function)).parameters
+        except (TypeError, ValueError):  # a compiled function may carry no signature: assume the current one
+            return True
 
     # ------------------------------------------------------------------ layout and metadata
 
