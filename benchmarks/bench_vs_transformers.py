@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="kunlun_infer Hydra overrides (model.dtype=float32 …)")
     args = parser.parse_args()
 
-    from kunlun_infer.engine.setup import DTYPES, model_dir
+    from kunlun_infer.engine.startup import DTYPES, model_dir
     from kunlun_infer.models import load_model_config
 
     folder = model_dir(args.model)

@@ -10,7 +10,6 @@ import sys
 
 import yaml
 
-from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
 from kunlun_infer.cli import main
 from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
 

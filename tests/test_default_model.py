@@ -29,7 +29,7 @@ import torch
 import kunlun_infer as ki
 from kunlun_infer.cli import main
 from kunlun_infer.commands.generate import DEFAULT_PROMPT
-from kunlun_infer.engine.setup import default_model_dir
+from kunlun_infer.engine.startup import default_model_dir
 from tests.torch_threads import one_thread  # noqa: F401 - autouse: one torch thread per test
 
 REPO = Path(__file__).resolve().parents[1]

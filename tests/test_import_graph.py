@@ -4,7 +4,8 @@ The graph is read from the source: an edge for every module-level import of a
 ``kunlun_infer`` module (imports under ``if TYPE_CHECKING:`` and inside
 functions are not run at import time and are left out). ``from package import
 name`` points at the submodule when ``name`` is one, else at the package's
-``__init__``. A cycle means a module's import works only in some orders; a
+``__init__``; importing ``a.b.c`` also runs ``a.b``'s ``__init__`` first, an
+edge too (the root package's aside: it gathers the public API). A cycle means a module's import works only in some orders; a
 function-local import that papers over one is refused by the last test.
 """
 
@@ -72,12 +73,23 @@ def _targets(node: ast.Import | ast.ImportFrom, modules: dict[str, Path], here: 
     return {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
 
 
+def _with_packages(targets: set[str]) -> set[str]:
+    """``targets`` and the subpackages Python runs first to import them (the root package aside)."""
+    found = set(targets)
+    for target in targets:
+        parts = target.split(".")
+        found.update(".".join(parts[:i]) for i in range(2, len(parts)))
+    return found
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        graph[name] = set().union(*(_targets(n, modules, name) for n in _module_level_imports(tree))) - {name}
+        targets = set().union(*(_targets(n, modules, name) for n in _module_level_imports(tree)))
+        own_packages = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = _with_packages(targets) - {name} - own_packages
     return graph
 
 

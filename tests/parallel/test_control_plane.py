@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kunlun_infer import ConfigError, compose_config
-from kunlun_infer.engine.distributed import ControlPlane, Kind, exchange_status, pack_step, unpack_step
-from kunlun_infer.engine.launch import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.engine.model_runner import build_step_inputs
+from kunlun_infer.engine.parallel.control_plane import ControlPlane, Kind, exchange_status, pack_step, unpack_step
+from kunlun_infer.engine.parallel.placement import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.plugins.cpu_comm import GlooComm

@@ -50,7 +50,7 @@ def shared_memory_of(pids: list[int]) -> list[str]:
 
 def my_workers() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True)
-            if "kunlun_infer.engine.workers" in " ".join(p.cmdline())]
+            if "kunlun_infer.engine.parallel.worker" in " ".join(p.cmdline())]
 
 
 def steps_until_worker_error(llm: LLM) -> tuple[WorkerError, float]:

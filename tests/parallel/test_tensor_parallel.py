@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kunlun_infer import LLM, SamplingParams
-from kunlun_infer.engine.launch import free_loopback_port
+from kunlun_infer.engine.parallel.placement import free_loopback_port
 from tests.engine.tiny_models import hf_greedy
 from tests.parallel.conftest import overrides
 
@@ -43,7 +43,7 @@ def tokens(llm, batch) -> list[list[int]]:
 
 def worker_processes() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True)
-            if "kunlun_infer.engine.workers" in " ".join(p.cmdline())]
+            if "kunlun_infer.engine.parallel.worker" in " ".join(p.cmdline())]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from kunlun_infer import LLM, SamplingParams
-from kunlun_infer.engine.launch import free_loopback_port
+from kunlun_infer.engine.parallel.placement import free_loopback_port
 from tests.parallel.conftest import overrides
 from tests.parallel.test_tensor_parallel import LAUNCH_TIMEOUT_S, MAX_TOKENS, TEXT_PROMPTS
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation, Param, UsageError
-from kunlun_infer.engine.launch import resolve_parallel_config, torchrun_place
-from kunlun_infer.engine.setup import model_dir
-from kunlun_infer.engine.workers import serve_torchrun_worker
+from kunlun_infer.engine.parallel.placement import resolve_parallel_config, torchrun_place
+from kunlun_infer.engine.parallel.worker import serve_torchrun_worker
+from kunlun_infer.engine.startup import model_dir
 from kunlun_infer.models import load_model_config
 from kunlun_infer.runtime import Runtime
 from kunlun_infer.tools.bench.plot import plot_sweep

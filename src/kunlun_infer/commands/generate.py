@@ -16,9 +16,9 @@ from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation, Param, UsageError
 from kunlun_infer.engine.engine import LLMEngine
-from kunlun_infer.engine.launch import local_rank, resolve_parallel_config
+from kunlun_infer.engine.parallel.placement import local_rank, resolve_parallel_config
+from kunlun_infer.engine.parallel.worker import serve_torchrun_worker
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.workers import serve_torchrun_worker
 from kunlun_infer.runtime import Runtime
 
 DEFAULT_PROMPT = "def fibonacci(n):"

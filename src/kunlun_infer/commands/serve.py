@@ -11,7 +11,7 @@ Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 from kunlun_infer.commands.base import Command, Invocation
-from kunlun_infer.engine.workers import serve_torchrun_worker
+from kunlun_infer.engine.parallel.worker import serve_torchrun_worker
 from kunlun_infer.errors import KunlunInferError
 
 

@@ -34,18 +34,18 @@ from omegaconf import DictConfig
 from kunlun_infer.config import check_ranges, setting
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.block_manager import BlockManager
-from kunlun_infer.engine.executor import TensorParallelGroup
 from kunlun_infer.engine.failures import describe_failure
-from kunlun_infer.engine.intake import Prompt, PreparedRequest, RequestIntake
+from kunlun_infer.engine.intake import PreparedRequest, Prompt, RequestIntake
 from kunlun_infer.engine.kv_cache import KVBudget, size_kv_cache
-from kunlun_infer.engine.launch import local_rank, resolve_parallel_config
 from kunlun_infer.engine.model_runner import ModelRunner, SampledToken
 from kunlun_infer.engine.outputs import RequestOutput
+from kunlun_infer.engine.parallel.driver import TensorParallelGroup
+from kunlun_infer.engine.parallel.placement import local_rank, resolve_parallel_config
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sample_group import SampleGroup
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
-from kunlun_infer.engine.setup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
+from kunlun_infer.engine.startup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
 from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
 from kunlun_infer.models import load_model, load_model_config, load_tokenizer
 from kunlun_infer.runtime import Runtime
@@ -56,7 +56,7 @@ log = logging.getLogger("kunlun_infer.framework")
 class LLMEngine:
     """Continuous-batching inference over one runtime. Build with :meth:`from_config`."""
 
-    def __init__(self, config: DictConfig, *, runtime: Any = None) -> None:
+    def __init__(self, config: DictConfig, *, runtime: Runtime | None = None) -> None:
         self.config = config = resolve_parallel_config(config)
         self._owns_runtime = runtime is None
         self.runtime = Runtime.from_config(config, local_rank=local_rank()) if runtime is None else runtime

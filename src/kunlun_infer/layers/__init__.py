@@ -2,7 +2,7 @@
 tensor-parallel), embedding / LM head, RMSNorm, rotary embedding, paged attention."""
 
 from kunlun_infer.layers.attention import Attention, AttentionMetadata
-from kunlun_infer.layers.context import LayerContext, WeightSpec
+from kunlun_infer.layers.context import LayerContext
 from kunlun_infer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kunlun_infer.layers.linear import (
     ColumnParallelLinear,
@@ -13,6 +13,7 @@ from kunlun_infer.layers.linear import (
 )
 from kunlun_infer.layers.norm import RMSNorm
 from kunlun_infer.layers.rotary import RotaryEmbedding, rope_cos_sin_cache
+from kunlun_infer.layers.weights import WeightSpec
 
 __all__ = [
     "Attention",

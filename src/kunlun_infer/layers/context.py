@@ -5,37 +5,38 @@ in when a model is built. ``ops`` is the runtime's resolved op table (attribute
 access, ``ops.linear(...)``); ``attention`` the attention backend that owns
 the KV cache's layout and kernels; ``comm`` is the runtime's Comm, used only when
 ``tp_size > 1``; ``streams`` is set only when the streams plugin has a comm
-stream of its own, so that all-reduces can overlap computation. This module
-also holds the few helpers layers share to read their shard of a checkpoint
-tensor.
+stream of its own, so that all-reduces can overlap computation. Reading a
+layer's shard of a checkpoint tensor is :mod:`kunlun_infer.layers.weights`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
-
 import torch
+
+from kunlun_infer.capabilities import Comm, Streams
+from kunlun_infer.ops.attention import AttentionBackend
+from kunlun_infer.runtime.optable import OpTable
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerContext:
     """Everything a layer needs besides its own sizes."""
 
-    ops: Any
+    ops: OpTable
     device: torch.device
     dtype: torch.dtype
     tp_rank: int = 0
     tp_size: int = 1
-    comm: Any = None
+    comm: Comm | None = None
     #: dtype in which all-reduces accumulate; ``None`` leaves it to the comm plugin, which was built
     #: from ``comm.accumulate_dtype`` (so ``none`` there really switches widening off)
     accumulate_dtype: torch.dtype | None = None
     #: the runtime's streams when its comm stream is distinct (``streams.overlaps``); ``None`` = inline collectives
-    streams: Any = None
-    #: the run's attention backend (:class:`kunlun_infer.ops.attention.AttentionBackend`)
-    attention: Any = None
+    streams: Streams | None = None
+    #: the run's attention backend, which owns the KV cache's layout and the attention kernels
+    attention: AttentionBackend | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -84,40 +85,6 @@ class LayerContext:
         if self.tp_size == 1:
             return x
         return self.comm.all_gather(x, dim=dim)
-
-
-class WeightSpec(NamedTuple):
-    """One checkpoint tensor a layer loads: which parameter, which part of it, the full shape."""
-
-    param: str
-    shard: Any
-    shape: tuple[int, ...]
-
-
-def source_shape(source: Any) -> tuple[int, ...]:
-    """Shape of a checkpoint tensor given as a tensor or a safetensors slice."""
-    return tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
-
-
-def read_part(source: Any, dim: int, start: int, size: int) -> torch.Tensor:
-    """Rows (``dim=0``) or columns (``dim=1``) ``start:start+size`` of ``source``, read lazily."""
-    if dim == 0:
-        return source[start:start + size]
-    return source[:, start:start + size]
-
-
-def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy a checkpoint tensor (any float dtype, on the host) into a parameter slice."""
-    if tuple(target.shape) != tuple(loaded.shape):
-        raise ValueError(f"shard shape {tuple(loaded.shape)} does not fit parameter part {tuple(target.shape)}")
-    target.copy_(loaded.to(dtype=target.dtype))
-
-
-def shares_storage(packed: Any, weight: torch.Tensor) -> bool:
-    """True when a packed weight is the loaded weight itself (no second copy to free)."""
-    if not isinstance(packed, torch.Tensor) or packed.layout != torch.strided:
-        return False  # an opaque layout (e.g. oneDNN-blocked) is always a copy of its own
-    return packed.data_ptr() == weight.data_ptr()
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kunlun_infer.layers.context import LayerContext, WeightSpec, copy_weight, divide, read_part, shares_storage
+from kunlun_infer.layers.context import LayerContext, divide
+from kunlun_infer.layers.weights import WeightSpec, copy_weight, read_part, shares_storage
 
 
 @dataclasses.dataclass(frozen=True)

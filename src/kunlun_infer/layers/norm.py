@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kunlun_infer.layers.context import LayerContext, WeightSpec, copy_weight
+from kunlun_infer.layers.context import LayerContext
+from kunlun_infer.layers.weights import WeightSpec, copy_weight
 
 
 class RMSNorm(nn.Module):

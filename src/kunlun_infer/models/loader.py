@@ -14,21 +14,23 @@ import json
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 
+from kunlun_infer.capabilities import Streams
+from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.errors import ModelLoadError
 from kunlun_infer.layers import LayerContext
 from kunlun_infer.models.base import CausalLM
-from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.models.config import ModelArchConfig, load_model_config, read_json
 from kunlun_infer.models.llama import LlamaForCausalLM
 from kunlun_infer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from kunlun_infer.runtime.attention import GuardedAttentionBackend, resolve_attention
 from kunlun_infer.runtime.guard import DeferredFailures
 from kunlun_infer.runtime.optable import OpTable
+from kunlun_infer.runtime.protocol import ModelRuntime
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -167,13 +169,13 @@ def load_weights(model: CausalLM, model_dir: Path, index: dict[str, StoredTensor
     model.pack_weights()
 
 
-def _overlap_streams(runtime: Any, tp_size: int) -> Any:
+def _overlap_streams(runtime: ModelRuntime, tp_size: int) -> Streams | None:
     """The runtime's streams when collectives can overlap compute on them (a distinct comm stream)."""
     streams = getattr(runtime, "streams", None)
     return streams if tp_size > 1 and streams is not None and streams.overlaps else None
 
 
-def load_model(model_dir: str | Path, *, runtime: Any, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
                max_model_len: int | None = None) -> CausalLM:
     """Load the model in ``model_dir`` for rank ``tp_rank`` of ``tp_size`` on the runtime's device.
 

@@ -23,6 +23,8 @@ from kunlun_infer.ops.attention_step import AttentionStep
 from kunlun_infer.ops.reference_attention import REFERENCE_ATTENTION_OPS, ReferenceAttentionBackend
 from kunlun_infer.runtime.guard import DeferredFailures, guarded_call, plugin_failure
 from kunlun_infer.runtime.log import runtime_log
+from kunlun_infer.runtime.optable import OpTable
+from kunlun_infer.runtime.protocol import ModelRuntime
 
 
 class GuardedAttentionBackend(AttentionBackend):
@@ -108,7 +110,8 @@ def plugin_attention_backend(provider: Any, plugin: str, spec: AttentionSpec) ->
     return GuardedAttentionBackend(backend, plugin)
 
 
-def resolve_attention(runtime: Any, required_ops: Iterable[str], spec: AttentionSpec) -> tuple[Any, AttentionBackend]:
+def resolve_attention(runtime: ModelRuntime, required_ops: Iterable[str],
+                      spec: AttentionSpec) -> tuple[OpTable, AttentionBackend]:
     """``(op table, attention backend)`` for a model needing ``required_ops`` and attention ``spec``.
 
     ``runtime`` needs ``resolve_ops``; its ``attention_backend(spec)``, when it

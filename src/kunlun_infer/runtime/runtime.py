@@ -50,7 +50,13 @@ class Runtime:
         self.config = config
         self.plugins = plugins
         self.local_rank = local_rank
-        self._objects = objects  # capability → guard
+        # each capability is the plugin's object behind its guard
+        self.device: Device = objects["device"]
+        self.memory: MemoryAllocator = objects["memory"]
+        #: the ops plugin's provider (use :meth:`resolve_ops` for kernels)
+        self.ops: OpsProvider = objects["ops"]
+        self.comm: Comm = objects["comm"]
+        self.streams: Streams = objects["streams"]
         self._providers = providers  # capability → plugin name
         self._warned_fallbacks: set[str] = set()
         self._announced_backends: set[AttentionSpec] = set()
@@ -97,27 +103,6 @@ class Runtime:
         return cls(config=cfg, plugins=manager, objects=objects, providers=providers, local_rank=local_rank)
 
     # ------------------------------------------------------------------ capabilities
-
-    @property
-    def device(self) -> Device:
-        return self._objects["device"]
-
-    @property
-    def memory(self) -> MemoryAllocator:
-        return self._objects["memory"]
-
-    @property
-    def ops(self) -> OpsProvider:
-        """The ops plugin's provider (use :meth:`resolve_ops` for kernels)."""
-        return self._objects["ops"]
-
-    @property
-    def comm(self) -> Comm:
-        return self._objects["comm"]
-
-    @property
-    def streams(self) -> Streams:
-        return self._objects["streams"]
 
     def plugin_for(self, capability: str) -> str:
         """Name of the plugin providing ``capability`` in this runtime."""

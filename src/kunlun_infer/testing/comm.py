@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kunlun_infer.capabilities import Comm
 from kunlun_infer.testing.compare import ConformanceError
 from kunlun_infer.testing.harness import build_runtime
 
@@ -33,7 +34,7 @@ def _expect_equal(got: torch.Tensor, want: torch.Tensor, what: str, rank: int) -
                                f"{want.cpu().tolist()} ({want.dtype})")
 
 
-def run_collectives(comm: Any, device: torch.device, rank: int, world: int) -> None:
+def run_collectives(comm: Comm, device: torch.device, rank: int, world: int) -> None:
     """The checks one rank runs on an initialised comm."""
     ranks = torch.arange(1, world + 1, dtype=torch.float32)
     t = torch.full((4, 3), float(rank + 1), device=device)
@@ -74,7 +75,7 @@ def _worker(rank: int, world: int, init_method: str, overrides: list[str], modul
         results.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
 
 
-def _check_layout(comm: Any, rank: int, world: int) -> None:
+def _check_layout(comm: Comm, rank: int, world: int) -> None:
     if (comm.rank, comm.world_size) != (rank, world):
         raise ConformanceError(f"comm: after init(rank={rank}, world_size={world}) it reports rank={comm.rank}, "
                                f"world_size={comm.world_size}")

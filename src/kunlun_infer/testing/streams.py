@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from kunlun_infer.capabilities import Streams
 from kunlun_infer.testing.compare import ConformanceError
 
 
@@ -13,7 +13,7 @@ def _expect(condition: bool, message: str) -> None:
         raise ConformanceError(message)
 
 
-def check_streams(streams: Any) -> None:
+def check_streams(streams: Streams) -> None:
     """Order within a stream, events across streams, synchronize, and error reporting."""
     compute, comm = streams.compute_stream(), streams.comm_stream()
     _expect(streams.overlaps == (compute is not comm), "streams: overlaps must say whether the comm stream differs")

@@ -27,12 +27,12 @@ from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, size_kv_cache
 from kunlun_infer.engine.model_runner import ModelRunner
 from kunlun_infer.engine.sampler import Sampler
-from kunlun_infer.engine.setup import (choose_dtype, choose_max_model_len, estimate_activation_bytes,
-                                       measure_activation_bytes, model_dir)
+from kunlun_infer.engine.startup import (choose_dtype, choose_max_model_len, estimate_activation_bytes,
+                                         measure_activation_bytes, model_dir)
 from kunlun_infer.models import load_model, load_model_config, model_class, resolve_dtype
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
 from kunlun_infer.ops.reference_attention import ReferenceAttentionBackend
-from kunlun_infer.runtime import PluginManager
+from kunlun_infer.runtime import PluginManager, Runtime
 from kunlun_infer.runtime.attention import plugin_attention_backend
 from kunlun_infer.runtime.guard import guarded_call
 from kunlun_infer.tools.model_shapes import ModelShapes, model_shapes
@@ -108,7 +108,7 @@ def _has_weights(folder: Path) -> bool:
     return any(folder.glob("*.safetensors"))
 
 
-def plan_attention_backend(cfg: DictConfig, spec: AttentionSpec, *, runtime: Any = None,
+def plan_attention_backend(cfg: DictConfig, spec: AttentionSpec, *, runtime: Runtime | None = None,
                            plugin_manager: Any = None) -> AttentionBackend:
     """The attention backend a run of ``cfg`` uses for ``spec`` (sizing only: no op table behind a reference one).
 
@@ -125,7 +125,7 @@ def plan_attention_backend(cfg: DictConfig, spec: AttentionSpec, *, runtime: Any
     return backend if backend is not None else ReferenceAttentionBackend(spec)
 
 
-def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Any = None,
+def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Runtime | None = None,
               measure: bool = True, plugin_manager: Any = None) -> MemoryPlan:
     """Plan ``cfg``'s model on ``device_memory`` bytes per rank, or on ``runtime``'s device when ``None``.
 
@@ -184,7 +184,7 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Any
                       layout=layout, budget=budget, notes=notes)
 
 
-def _measure(runtime: Any, folder: Path, arch: Any, dtype: torch.dtype, block_size: int, max_model_len: int,
+def _measure(runtime: Runtime, folder: Path, arch: Any, dtype: torch.dtype, block_size: int, max_model_len: int,
              warm_tokens: int, max_num_seqs: int) -> tuple[int, int]:
     """Load the model and run the engine's warm-up: ``(weight bytes, activation peak)``; frees it all."""
     model = load_model(folder, runtime=runtime, dtype=dtype, max_model_len=max_model_len)

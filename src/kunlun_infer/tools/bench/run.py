@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.runtime import Runtime
 from kunlun_infer.tools.bench.workload import Workload
 
 PERCENTILES = (50, 90, 99)
@@ -136,7 +137,7 @@ def run_workload(engine: Any, workload: Workload, *, progress: bool | None = Non
         num_preemptions=stats1["num_preemptions"] - stats0["num_preemptions"])
 
 
-def run_bench(cfg: DictConfig, workload: Workload, *, runtime: Any = None, progress: bool | None = None,
+def run_bench(cfg: DictConfig, workload: Workload, *, runtime: Runtime | None = None, progress: bool | None = None,
               progress_stream: Any = None, desc: str = "bench") -> BenchResult:
     """Start an engine for ``cfg`` (on ``runtime`` when given), run ``workload``, close the engine."""
     engine = LLMEngine(cfg, runtime=runtime)

@@ -13,6 +13,7 @@ from typing import Any
 
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.hookspecs import CAPABILITIES
+from kunlun_infer.runtime import PluginManager, Runtime
 from kunlun_infer.runtime import compose_config
 from kunlun_infer.tools.bench.knee import DEFAULT_FRACTION, find_knee, marginal_gains
 from kunlun_infer.tools.bench.run import BenchResult, run_bench
@@ -41,8 +42,9 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
 
 
 def run_sweep(overrides: Sequence[str], key: str, values: Sequence[Any], workload: Workload, *,
-              plugin_manager: Any = None, runtime: Any = None, fraction: float = DEFAULT_FRACTION,
-              progress: bool | None = None, progress_stream: Any = None) -> dict[str, Any]:
+              plugin_manager: PluginManager | None = None, runtime: Runtime | None = None,
+              fraction: float = DEFAULT_FRACTION, progress: bool | None = None,
+              progress_stream: Any = None) -> dict[str, Any]:
     """Run ``workload`` at every value of ``key``; returns the sweep as a JSON-ready dict.
 
     ``runtime`` is reused for every point when the key is not a capability

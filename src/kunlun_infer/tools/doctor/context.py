@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.hookspecs import CAPABILITIES, HOOK_API_VERSION_STR
-from kunlun_infer.runtime import compose_config
+from kunlun_infer.runtime import Runtime, compose_config
 from kunlun_infer.tools.tiny_model import write_tiny_model
 from kunlun_infer.version import __version__
 
@@ -58,7 +58,7 @@ class DoctorContext:
     seed: int = 0
     cfg: DictConfig | None = None
     compose_error: ConfigError | None = None
-    runtime: Any = None
+    runtime: Runtime | None = None
     _scratch: Path | None = None
     _tiny: dict[int, Path] = dataclasses.field(default_factory=dict)
 

@@ -27,6 +27,7 @@ from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.models import load_model, load_model_config, model_class
 from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.runtime import Runtime
 from kunlun_infer.runtime.optable import COUPLED_OPS, OpTable, resolve
 from kunlun_infer.testing.compare import ConformanceError, assert_matches
 
@@ -47,7 +48,7 @@ class OpsRuntime:
     one) serves; otherwise the reference backend over the fixed table does.
     """
 
-    def __init__(self, runtime: Any, table: OpTable, *, plugin_attention: bool = False) -> None:
+    def __init__(self, runtime: Runtime, table: OpTable, *, plugin_attention: bool = False) -> None:
         self._runtime = runtime
         self._table = table
         self._plugin_attention = plugin_attention
@@ -74,7 +75,7 @@ def op_units(ops: list[str]) -> list[tuple[str, ...]]:
     return units
 
 
-def mixed_table(runtime: Any, plugin_ops: tuple[str, ...], wrap: Any = None) -> OpTable:
+def mixed_table(runtime: Runtime, plugin_ops: tuple[str, ...], wrap: Any = None) -> OpTable:
     """The op table with ``plugin_ops`` from the runtime's ops plugin and every other op from the reference."""
     plugin = runtime.plugin_for("ops")
     kernels = {op: runtime.ops.get(op) for op in plugin_ops}
@@ -88,7 +89,7 @@ def _prompts(seed: int, vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def plugin_serves_attention(runtime: Any, folder: Path) -> bool:
+def plugin_serves_attention(runtime: Runtime, folder: Path) -> bool:
     """True when the runtime's ops plugin serves the model in ``folder`` with an attention backend of its own."""
     arch = load_model_config(folder)
     return runtime.attention_backend(model_class(arch).attention_spec(arch, dtype=torch.float32)) is not None
@@ -104,7 +105,7 @@ def _batch_rows(counts: list[int], order: Any) -> torch.Tensor:
     return torch.tensor([starts[i] + j for i in range(len(counts)) for j in range(counts[i])], dtype=torch.int64)
 
 
-def run_logits(runtime: Any, folder: Path, table: OpTable, *, seed: int = 0,
+def run_logits(runtime: Runtime, folder: Path, table: OpTable, *, seed: int = 0,
                plugin_attention: bool = False) -> list[torch.Tensor]:
     """Float32 logits of every token of every step of the scripted batch (host tensors, batch-row order)."""
     model = load_model(folder, runtime=OpsRuntime(runtime, table, plugin_attention=plugin_attention),
@@ -209,7 +210,7 @@ def capturing(captured: list[Capture]) -> Any:
     return wrap
 
 
-def find_culprit(runtime: Any, folder: Path, want: list[torch.Tensor], served: list[str], *, seed: int = 0,
+def find_culprit(runtime: Runtime, folder: Path, want: list[torch.Tensor], served: list[str], *, seed: int = 0,
                  plugin_attention: bool = False) -> tuple[tuple[str, ...] | None, str | None, Capture | None]:
     """The unit whose plugin part alone makes the logits differ, its difference, and a captured op call.
 

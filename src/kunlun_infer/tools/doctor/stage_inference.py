@@ -21,6 +21,7 @@ from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
+from kunlun_infer.runtime import Runtime
 from kunlun_infer.testing import ConformanceError, check_attention_backend, check_op
 from kunlun_infer.tools.doctor.context import DoctorContext
 from kunlun_infer.tools.doctor.model_check import (ATTENTION_UNIT, OpsRuntime, compare_logits, find_culprit,
@@ -144,7 +145,7 @@ def tiny_config(ctx: DoctorContext, folder: Any, **extra: Any) -> Any:
     return with_overrides(ctx.cfg, **keys)
 
 
-def greedy_tokens(cfg: Any, runtime: Any = None, prompts: Any = PROMPTS) -> list[list[int]]:
+def greedy_tokens(cfg: Any, runtime: Runtime | None = None, prompts: Any = PROMPTS) -> list[list[int]]:
     """Greedy tokens of ``prompts`` from an engine on ``cfg`` (on ``runtime`` when given)."""
     engine = LLMEngine(cfg, runtime=runtime)
     try:

@@ -71,7 +71,7 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def op_coverage(runtime: Any) -> dict[str, str]:
+def op_coverage(runtime: Runtime) -> dict[str, str]:
     """``{op: source}`` for every op of the table: the ops plugin's name, or ``reference``."""
     table = runtime.resolve_ops(list(OP_SPECS))
     return {op: table.source(op) for op in OP_SPECS}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kunlun_infer.engine.setup import model_dir
+from kunlun_infer.engine.startup import model_dir
 from kunlun_infer.models import load_model_config
 from kunlun_infer.tools.bench.sweep import run_sweep, sweep_table
 from kunlun_infer.tools.bench.workload import LengthRange, synthetic_workload

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kunlun_infer.capabilities import Comm
 from kunlun_infer.engine.model_runner import StepInputs
 from kunlun_infer.errors import PluginError
 from kunlun_infer.ops.attention_step import AttentionStep
@@ -102,7 +103,7 @@ def unpack_step(header: list[int], payload: torch.Tensor, device: torch.device |
 class ControlPlane:
     """Sends (rank 0) and receives (every other rank) control messages over ``comm``."""
 
-    def __init__(self, comm: Any, device: torch.device) -> None:
+    def __init__(self, comm: Comm, device: torch.device) -> None:
         self.comm = comm
         self.device = device
 
@@ -157,7 +158,7 @@ class ControlPlane:
         return Message(kind)
 
 
-def exchange_status(comm: Any, device: torch.device, *, ok: bool, free_bytes: int,
+def exchange_status(comm: Comm, device: torch.device, *, ok: bool, free_bytes: int,
                     error: Any) -> list[RankStatus]:
     """Every rank tells every other whether it succeeded (and how much memory it has left).
 
@@ -176,7 +177,7 @@ def exchange_status(comm: Any, device: torch.device, *, ok: bool, free_bytes: in
     return statuses
 
 
-def exchange_step_failures(comm: Any, device: torch.device, failure: PluginError | None) -> PluginError | None:
+def exchange_step_failures(comm: Comm, device: torch.device, failure: PluginError | None) -> PluginError | None:
     """After each step, every rank learns whether a rank's plugin failed in it (one small all-gather).
 
     Returns ``None`` for a good step, else the first failed rank's error as a

@@ -35,12 +35,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kunlun_infer.dtypes import dtype_name
-from kunlun_infer.engine.distributed import ControlPlane, exchange_status, exchange_step_failures
-from kunlun_infer.engine.launch import free_loopback_port, torchrun_place
 from kunlun_infer.engine.model_runner import ModelRunner, StepInputs
-from kunlun_infer.engine.spawn import WorkerProcesses
+from kunlun_infer.engine.parallel.control_plane import ControlPlane, exchange_status, exchange_step_failures
+from kunlun_infer.engine.parallel.placement import free_loopback_port, torchrun_place
+from kunlun_infer.engine.parallel.spawn import WorkerProcesses
 from kunlun_infer.errors import ConfigError, PluginError, WorkerError
 from kunlun_infer.models import load_model
+from kunlun_infer.runtime import Runtime
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -51,7 +52,7 @@ _RESTART = "close this engine and start a new one"
 class TensorParallelGroup:
     """The ``parallel.tensor_size`` ranks of one engine, seen from rank 0."""
 
-    def __init__(self, cfg: DictConfig, runtime: Any) -> None:
+    def __init__(self, cfg: DictConfig, runtime: Runtime) -> None:
         self.size = int(cfg.parallel.tensor_size)
         self.timeout_s = float(cfg.comm.timeout_s)
         self.worker_timeout_s = float(cfg.parallel.worker_timeout_s)
@@ -68,7 +69,7 @@ class TensorParallelGroup:
         self._closed = False
 
     @classmethod
-    def start(cls, cfg: DictConfig, runtime: Any) -> TensorParallelGroup:
+    def start(cls, cfg: DictConfig, runtime: Runtime) -> TensorParallelGroup:
         """Bring up the other ranks and join the comm group with them (rank 0)."""
         group = cls(cfg, runtime)
         try:
@@ -83,7 +84,7 @@ class TensorParallelGroup:
         if place is not None and place.world_size > 1:
             if place.rank != 0:
                 raise ConfigError(f"the engine runs on rank 0; rank {place.rank} must serve as a worker "
-                                  "(kunlun_infer.engine.workers.serve_torchrun_worker)")
+                                  "(kunlun_infer.engine.parallel.worker.serve_torchrun_worker)")
             self.runtime.init_comm(rank=0, world_size=self.size, init_method=cfg.parallel.init_method)
             return
         init_method = cfg.parallel.init_method or f"tcp://127.0.0.1:{free_loopback_port()}"

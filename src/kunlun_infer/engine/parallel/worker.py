@@ -2,13 +2,13 @@
 
 A worker builds its own :class:`~kunlun_infer.runtime.Runtime` (device index =
 its local rank), joins the comm group, and serves control messages (see
-:mod:`kunlun_infer.engine.distributed`) until ``STOP``: ``LOAD`` loads its
+:mod:`kunlun_infer.engine.parallel.control_plane`) until ``STOP``: ``LOAD`` loads its
 shard and reports back, ``KV`` (re)allocates its part of the paged cache,
 ``STEP`` runs the forward and the logits gather. It never samples.
 
 Two ways in: :func:`serve_torchrun_worker` (a process torchrun started, e.g.
 ``torchrun … -m kunlun_infer generate …`` on a rank above 0) and
-``python -m kunlun_infer.engine.workers`` (a process the engine spawned,
+``python -m kunlun_infer.engine.parallel.worker`` (a process the engine spawned,
 reading its place and config as JSON on stdin; see :mod:`.spawn`).
 """
 
@@ -27,9 +27,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kunlun_infer.dtypes import DTYPES
-from kunlun_infer.engine.distributed import ControlPlane, Kind, exchange_status, exchange_step_failures
-from kunlun_infer.engine.launch import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.engine.model_runner import ModelRunner
+from kunlun_infer.engine.parallel.control_plane import ControlPlane, Kind, exchange_status, exchange_step_failures
+from kunlun_infer.engine.parallel.placement import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.models import load_model
 from kunlun_infer.runtime import Runtime
 
@@ -39,7 +39,7 @@ log = logging.getLogger("kunlun_infer.framework")
 class Worker:
     """One rank's model shard, KV cache and message loop."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.rank = runtime.comm.rank
         self.plane = ControlPlane(runtime.comm, runtime.device.torch_device)

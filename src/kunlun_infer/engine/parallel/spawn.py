@@ -1,9 +1,9 @@
 """The worker processes an embedded engine starts: spawn, watch, and always reap.
 
 Each rank above 0 is a fresh interpreter running ``python -m
-kunlun_infer.engine.workers`` (the ``spawn`` start method's isolation, without
-``multiprocessing``'s extras: no re-import of the caller's ``__main__``, no
-resource-tracker process, no semaphores in shared memory). Its place and
+kunlun_infer.engine.parallel.worker`` (the ``spawn`` start method's
+isolation, without ``multiprocessing``'s extras: no re-import of the caller's
+``__main__``, no resource-tracker process, no semaphores in shared memory). Its place and
 config arrive as JSON on stdin; if it fails it leaves one line on stdout
 before exiting. A worker also exits by itself when its parent disappears.
 
@@ -73,7 +73,7 @@ class WorkerProcesses:
             job = {"config": config, "rank": rank, "world_size": world_size, "local_rank": rank,
                    "init_method": init_method, "parent_pid": os.getpid(), "log_level": level,
                    "num_threads": torch.get_num_threads()}
-            proc = subprocess.Popen([sys.executable, "-m", "kunlun_infer.engine.workers"],
+            proc = subprocess.Popen([sys.executable, "-m", "kunlun_infer.engine.parallel.worker"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
             procs.append(proc)
             self.procs[rank] = proc
