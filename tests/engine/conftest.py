@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.engine.tiny_models import build_tiny_model, engine_overrides
+from tests.platforms import platform  # noqa: F401 - the plugin sets parity tests run on
 from tests.torch_threads import one_thread  # noqa: F401 - autouse: one torch thread per test
 
 

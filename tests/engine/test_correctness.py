@@ -1,10 +1,13 @@
-"""Greedy tokens equal transformers' for Llama, Qwen2 and Qwen3, under every scheduling path.
+"""Greedy tokens equal transformers' for Llama, Qwen2 and Qwen3, under every scheduling path, on every platform.
 
 Nine prompts of varied lengths (one token, around the 16-token block size,
 a few hundred tokens) are generated together and compared with
 ``transformers``' greedy ``generate`` on each prompt alone. The same
-references must come out with chunked prefill, without prefix caching, and
-with a KV cache so small that sequences are preempted and recomputed.
+references must come out with chunked prefill, without prefix caching, with
+prompts that hit the prefix cache, and with a KV cache so small that
+sequences are preempted and recomputed — on the built-in CPU plugins and on
+the simulated chip, whose attention backend keeps its own cache layout
+(``tests/platforms.py``).
 """
 
 import pytest
@@ -45,14 +48,14 @@ def generate(llm):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batch_of_varied_prompts_matches_transformers(arch, tiny_model, make_llm, references):
-    tokens, _ = generate(make_llm(tiny_model(arch)))
+def test_batch_of_varied_prompts_matches_transformers(arch, platform, tiny_model, make_llm, references):
+    tokens, _ = generate(make_llm(tiny_model(arch), **platform))
     assert tokens == references(arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_gives_the_same_tokens(arch, tiny_model, make_llm, references):
-    tokens, stats = generate(make_llm(tiny_model(arch), scheduler__max_num_batched_tokens=24))
+def test_chunked_prefill_gives_the_same_tokens(arch, platform, tiny_model, make_llm, references):
+    tokens, stats = generate(make_llm(tiny_model(arch), scheduler__max_num_batched_tokens=24, **platform))
     assert tokens == references(arch)
     assert stats["num_steps"] > 300 // 24  # the long prompt really was cut into chunks
 
@@ -65,8 +68,22 @@ def test_prefix_caching_off_gives_the_same_tokens(arch, tiny_model, make_llm, re
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_kv_cache_preempts_and_still_gives_the_same_tokens(arch, tiny_model, make_llm, references):
+def test_prefix_cache_hits_give_the_same_tokens(arch, platform, tiny_model, hf_model, make_llm):
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(0, 256, (40,), generator=g).tolist()  # two full blocks and a partial one
+    prompts = [system + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 30)]
+    llm = make_llm(tiny_model(arch), **platform)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)  # chunked prefills on top of cached blocks
+    assert all(o.num_cached_tokens == 32 for o in rest)
+    hf = hf_model(tiny_model(arch))
+    assert [o.token_ids for o in first + rest] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_kv_cache_preempts_and_still_gives_the_same_tokens(arch, platform, tiny_model, make_llm, references):
     # 21 blocks of 16 tokens hold the longest request (310 tokens) but not the batch (~48 blocks)
-    tokens, stats = generate(make_llm(tiny_model(arch), cache__num_blocks=21))
+    tokens, stats = generate(make_llm(tiny_model(arch), cache__num_blocks=21, **platform))
     assert stats["num_preemptions"] > 0
     assert tokens == references(arch)

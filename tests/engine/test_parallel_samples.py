@@ -37,9 +37,9 @@ def test_samples_share_the_prompt_blocks_and_prefill_runs_once(tiny_model, make_
     assert used_blocks(engine) == 0
 
 
-def test_greedy_samples_are_all_the_greedy_continuation(tiny_model, hf_model, make_llm):
+def test_greedy_samples_are_all_the_greedy_continuation(platform, tiny_model, hf_model, make_llm):
     folder = tiny_model("llama")
-    llm = make_llm(folder)
+    llm = make_llm(folder, **platform)
     outs = llm.generate([PROMPT, [1, 2, 3]], SamplingParams(n=3, max_tokens=8, temperature=0.0), use_tqdm=False)
     assert [o.index for o in outs] == [0, 1, 2, 0, 1, 2]
     expected = hf_greedy(hf_model(folder), PROMPT, 8)
@@ -48,11 +48,13 @@ def test_greedy_samples_are_all_the_greedy_continuation(tiny_model, hf_model, ma
     assert len({o.request_id for o in outs[:3]}) == 1 and all(o.prompt_token_ids == PROMPT for o in outs[:3])
 
 
-def test_every_sample_follows_the_model_distribution_of_its_own_tokens(tiny_model, hf_model, make_llm):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_every_sample_follows_the_model_distribution_of_its_own_tokens(arch, platform, tiny_model, hf_model,
+                                                                        make_llm):
     """Logprobs of each sample's tokens equal transformers' for that sample's own prefix: its KV is right."""
-    folder = tiny_model("qwen2")
+    folder = tiny_model(arch)
     hf = hf_model(folder)
-    outs = make_llm(folder).generate([PROMPT], SamplingParams(n=3, max_tokens=6, temperature=1.5, seed=7,
+    outs = make_llm(folder, **platform).generate([PROMPT], SamplingParams(n=3, max_tokens=6, temperature=1.5, seed=7,
                                                               logprobs=0, ignore_eos=True), use_tqdm=False)
     assert len({tuple(o.token_ids) for o in outs}) > 1  # the samples differ
     for out in outs:
@@ -74,9 +76,9 @@ def test_seeded_samples_repeat_and_differ_from_each_other(tiny_model, make_llm):
     assert single.token_ids == first[0]  # sample 0 draws from the seed itself
 
 
-def test_samples_survive_preemption(tiny_model, hf_model, make_llm):
+def test_samples_survive_preemption(platform, tiny_model, hf_model, make_llm):
     folder = tiny_model("llama")
-    engine = make_llm(folder, cache__num_blocks=8).engine
+    engine = make_llm(folder, cache__num_blocks=8, **platform).engine
     llm_outs = []
     engine.add_request(PROMPT, SamplingParams(n=4, max_tokens=30, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished():

@@ -34,6 +34,7 @@ def test_table_lists_simchip_and_its_op_coverage_gaps():
     assert sources["rms_norm"] == "simchip" and sources["linear"] == "simchip"
     attention = text.split("attention backend for 32 query / 8 kv heads of 128, bfloat16")[1].splitlines()
     assert "  ops=torch: reference" in attention  # the op table's store_kv and paged_attention serve it
+    assert "  ops=simchip: simchip-kunlun-layout" in attention  # its own backend, no paged_attention needed
 
 
 def test_json_matrix_carries_coverage_per_ops_option():
@@ -41,6 +42,7 @@ def test_json_matrix_carries_coverage_per_ops_option():
     simchip = data["ops_coverage"]["simchip"]
     assert simchip["plugin"] == "simchip" and simchip["error"] is None
     assert simchip["fallbacks"] == ["paged_attention", "rotary_embedding"]
+    assert simchip["attention"] == "simchip-kunlun-layout"  # its own backend: paged_attention is not needed
     for builtin in ("torch", "cpu"):  # the built-in op tables are complete and answer without a device
         assert data["ops_coverage"][builtin]["error"] is None
         assert data["ops_coverage"][builtin]["fallbacks"] == []

@@ -23,6 +23,7 @@ from kunlun_infer import LLM, SamplingParams
 from kunlun_infer.engine.parallel.placement import free_loopback_port
 from tests.engine.tiny_models import hf_greedy
 from tests.parallel.conftest import overrides
+from tests.platforms import require_simchip
 
 ARCHS = ["llama", "qwen2", "qwen3"]  # qwen2: one KV head, replicated on both ranks
 PROMPT_LENGTHS = [1, 15, 17, 40, 130]
@@ -60,10 +61,24 @@ def single_rank(tiny_model):
     return get
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_two_ranks_generate_the_tokens_of_one_rank_and_of_transformers(arch, tiny_model, single_rank):
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    """``references(arch)``: transformers' greedy tokens for ``prompts()``."""
     import transformers as tf
 
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            hf = tf.AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32).eval()
+            cache[arch] = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts()]
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ranks_generate_the_tokens_of_one_rank_and_of_transformers(arch, tiny_model, single_rank, references):
     folder = tiny_model(arch)
     with LLM(model=str(folder), overrides=overrides(2)) as llm:
         assert llm.config.comm.name == "gloo"  # comm=single cannot join processes: chosen for the user
@@ -73,9 +88,20 @@ def test_two_ranks_generate_the_tokens_of_one_rank_and_of_transformers(arch, tin
         stats = llm.engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert worker_processes() == []
-    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert two == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts()]
+    assert two == references(arch)
     assert two == single_rank(arch)[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_simchip_ranks_on_its_attention_backend_generate_the_tokens_of_transformers(arch, tiny_model,
+                                                                                          references):
+    require_simchip()
+    with LLM(model=str(tiny_model(arch)), overrides=overrides(2) + ["platform=simchip"]) as llm:
+        assert llm.engine.runner.attention.name == "simchip-kunlun-layout"  # the workers build theirs alike
+        two = tokens(llm, prompts())
+        stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert two == references(arch)
 
 
 def test_a_separate_comm_stream_pipelines_all_reduces_without_changing_tokens(tiny_model, single_rank):

@@ -9,7 +9,9 @@ tensors underneath, carved out of the arena.
 Rooms: ``config`` (the ``device=simchip`` options), ``arena`` (the chip's
 memory), ``device``, ``memory`` (a caching allocator over the arena),
 ``streams`` (worker-thread streams and events), ``ops`` (the partial op set),
-``plugin`` (the hook implementations the entry point exposes).
+``attention`` and ``attention_kernels`` (its attention backend: Kunlun's cache
+layout, decodes first, split decode and prefill kernels), ``plugin`` (the
+hook implementations the entry point exposes).
 """
 
 __version__ = "0.1.0"

@@ -1,12 +1,14 @@
-"""``ops=simchip``: the simulated chip's kernels — a deliberately partial op set.
+"""``ops=simchip``: the simulated chip's kernels — a deliberately partial op set, and its own attention.
 
 The chip implements the element-wise and matrix ops (``rms_norm``,
 ``add_rms_norm``, ``silu_and_mul``, ``pack_linear_weight`` + ``linear``,
-``embedding``, ``store_kv``) but has no kernels for ``rotary_embedding`` or
-``paged_attention``. A model therefore runs on simchip only through the
-runtime's fallback to the reference ops (logged and counted), and
-``ops.strict=true`` refuses, listing the missing ones: both paths get
-exercised without hardware.
+``embedding``, ``store_kv``) but has no kernel for ``rotary_embedding``, nor
+the op table's ``paged_attention``. A model therefore runs on simchip only
+through the runtime's fallback to the reference ``rotary_embedding``
+(logged and counted), and ``ops.strict=true`` refuses, listing it: both
+paths get exercised without hardware. Attention is served by the chip's own
+attention backend (hook API 1.1, :mod:`kunlun_infer_simchip.attention`): a
+Kunlun-style cache layout and split decode/prefill kernels.
 
 The kernels are written the way a chip with a 2-D matrix unit and float32
 vector lanes would do them: leading dims are flattened before a matmul, and
@@ -20,10 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.capabilities import DictOpsProvider
+from kunlun_infer.ops.attention import MHA, AttentionBackend, AttentionSpec
 
 from kunlun_infer_simchip import CHIP_NAME
+from kunlun_infer_simchip.attention import SimchipAttentionBackend
 
-#: ops the simulated chip has no kernel for (the fallback and strict paths need some)
+#: ops of the op table the simulated chip has no kernel for (the fallback and strict paths need some;
+#: its attention backend serves attention instead of ``paged_attention``)
 MISSING_OPS = ("paged_attention", "rotary_embedding")
 
 
@@ -82,7 +87,12 @@ KERNELS = {
 
 
 class SimchipOps(DictOpsProvider):
-    """The simulated chip's op table (see :data:`MISSING_OPS` for what it lacks)."""
+    """The simulated chip's op table (see :data:`MISSING_OPS` for what it lacks) and attention backend."""
 
     def __init__(self) -> None:
         super().__init__(KERNELS, name=CHIP_NAME)
+
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackend | None:
+        if spec.kind != MHA:
+            return None  # other kinds of attention: the framework's reference
+        return SimchipAttentionBackend(spec)

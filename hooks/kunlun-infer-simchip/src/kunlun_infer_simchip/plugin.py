@@ -49,11 +49,11 @@ def kunlun_infer_plugin_info() -> PluginInfo:
     return PluginInfo(
         name=CHIP_NAME,
         version=kunlun_infer_simchip.__version__,
-        api=">=1.1,<2",  # its platform option needs the platform group (1.1)
+        api=">=1.1,<2",  # its platform option needs the platform group, its ops the attention backend (1.1)
         capabilities=("device", "memory", "ops", "streams"),
         stack={"torch": torch.__version__},
         description="simulated accelerator on the CPU: 4 KiB-aligned arena in 2 MiB granules, "
-                    "worker-thread streams, partial op set",
+                    "worker-thread streams, partial op set, Kunlun-layout attention backend",
     )
 
 
