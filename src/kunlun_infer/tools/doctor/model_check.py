@@ -15,6 +15,7 @@ reference.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.models import load_model, load_model_config, model_class
 from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
 from kunlun_infer.runtime import Runtime
 from kunlun_infer.runtime.optable import COUPLED_OPS, OpTable, resolve
 from kunlun_infer.testing.compare import ConformanceError, assert_matches
@@ -53,10 +55,10 @@ class OpsRuntime:
         self._table = table
         self._plugin_attention = plugin_attention
 
-    def resolve_ops(self, ops: Any) -> OpTable:
+    def resolve_ops(self, ops: Iterable[str]) -> OpTable:
         return self._table
 
-    def attention_backend(self, spec: Any) -> Any:
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackend | None:
         return self._runtime.attention_backend(spec) if self._plugin_attention else None
 
     def __getattr__(self, attr: str) -> Any:
