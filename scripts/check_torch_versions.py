@@ -96,7 +96,8 @@ def prepare(release: str, venvs: Path, log) -> tuple[Path, str]:
         pip(python, "--no-deps", "--no-build-isolation", "-e", ".", *[arg for h in hooks for arg in ("-e", h)])
         return python, "kept (cached environment)"
     log(f"torch {release}: building {venv} (downloads torch from the package registry)")
-    shutil.rmtree(venv, ignore_errors=True)
+    for stale in venvs.glob(f"torch-{release}-*"):  # older builds of this release (3-5 GB each) go
+        shutil.rmtree(stale, ignore_errors=True)
     venvs.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip(python, f"torch=={release}", "setuptools>=77", "wheel")
