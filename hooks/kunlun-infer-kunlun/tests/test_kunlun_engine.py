@@ -4,15 +4,18 @@ With the stand-in installed the run uses every vendor call: the norms,
 SwiGLU and rotary kernels, and the Kunlun attention backend (head-major
 cache, decodes first, ``reshape_and_cache_flash``, ``speculative_attention``
 and ``prefill_attention`` in both its modes) — under chunked prefill, prefix
-caching and preemption. Without the library the same run is just as correct,
+caching, preemption, ``n`` samples and two tensor-parallel ranks. Without the library the same run is just as correct,
 on the torch path, and says once what fell back.
 """
 
 import logging
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
+import kunlun_ops_standin
 from kunlun_infer import LLM, SamplingParams
 
 from kunlun_infer_kunlun.ops import VENDOR_OPS
@@ -78,3 +81,17 @@ def test_without_the_library_the_run_is_correct_and_says_once_what_fell_back(mon
     assert tokens == tiny_model.references
     assert caplog.text.count("using the plain-torch reference") == 1
     assert "add_rms_norm, rms_norm, rotary_embedding, silu_and_mul" in caplog.text
+
+
+def test_two_ranks_on_the_vendor_kernels_match_transformers(standin, tiny_model, tmp_path, monkeypatch):
+    # rank 1 is a process of its own: it imports the stand-in as kunlun_ops from a folder on its path
+    (tmp_path / "kunlun_ops.py").write_text(
+        "import os, pathlib\n"
+        "from kunlun_ops_standin import *  # noqa: F403\n"
+        f"pathlib.Path({str(tmp_path)!r}, f'imported-by-{{os.getpid()}}').touch()\n")
+    path = [str(tmp_path), str(Path(kunlun_ops_standin.__file__).parent), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
+    tokens, _ = generate(tiny_model, "parallel.tensor_size=2")
+    assert tokens == tiny_model.references
+    assert [p.name for p in tmp_path.glob("imported-by-*")] != []  # rank 1 found the stand-in
+    assert standin.calls["speculative_attention"] > 0  # and rank 0 (this process) ran its kernels
