@@ -155,7 +155,7 @@ class KunlunAttention(AttentionBackend):
             log.info("ops=kunlun: attention backend %s", self.name)
 
     def _serves_decode(self, function: str) -> bool:
-        """False for a ``speculative_attention`` without ``max_window_size``: older libraries' decodes use ``paged_attention``."""
+        """False for an older library's ``speculative_attention`` (no ``max_window_size``): use paged_attention."""
         if function != "speculative_attention":
             return True
         try:
