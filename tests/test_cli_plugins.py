@@ -25,6 +25,7 @@ def test_json_lists_the_five_capabilities_with_versions(only_plugins):
     assert code == 0
     data = json.loads(out)
     assert data["framework"]["hook_api"] == HOOK_API_VERSION_STR
+    assert data["logits_processors"] == {"xgrammar": "xgrammar"}
     assert set(data["capabilities"]) == {"device", "memory", "ops", "comm", "streams"}
     assert data["capabilities"]["memory"] == {"caching": "cpu-memory", "simple": "cpu-memory"}
     for row in data["plugins"]:

@@ -14,6 +14,7 @@ from kunlun_infer.errors import (
 from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.engine.structured_output import StructuredOutput
 from kunlun_infer.llm import LLM
 from kunlun_infer.runtime.compose import compose_config
 from kunlun_infer.version import __version__
@@ -31,6 +32,7 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
     "WorkerError",
     "__version__",
     "compose_config",

@@ -1,10 +1,12 @@
-"""The five capability interfaces a plugin implements: device, memory, ops, comm, streams.
+"""The five capability interfaces a plugin implements (device, memory, ops, comm, streams), and logits processors.
 
 The framework talks to hardware only through these classes. A plugin returns
 instances of subclasses from the factories it registers in ``hookspecs.py``;
 the runtime composes one of each into a :class:`kunlun_infer.runtime.Runtime`.
 Tensors are ``torch.Tensor`` objects on ``Device.torch_device``: torch is the
-common currency between the framework and every chip's stack.
+common currency between the framework and every chip's stack. A logits
+processor (hook API 1.2) is not a capability of a chip but an engine
+extension: it constrains what sequences may generate (structured output).
 """
 
 from __future__ import annotations
@@ -316,3 +318,80 @@ class Streams(abc.ABC):
 
     def close(self) -> None:
         """Stop any worker threads; the provider is unusable afterwards."""
+
+
+# --------------------------------------------------------------------------- logits processors (hook API 1.2)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsProcessorContext:
+    """What a logits-processor factory is given (more fields may be added, never removed).
+
+    ``config``: the composed ``structured`` config node. ``tokenizer``: the
+    model's ``tokenizers.Tokenizer`` (the Hugging Face fast-tokenizer
+    pipeline of its ``tokenizer.json``). ``vocab_size``: the width of the
+    logits rows (the model's vocabulary, which may exceed the tokenizer's).
+    ``eos_token_ids``: the model's EOS tokens. ``torch_device``: where the
+    logits live. ``ops``: the run's op table, resolved for
+    ``apply_token_bitmask`` (``ops.apply_token_bitmask(logits, bitmask,
+    rows)``), so a bitmask-based processor masks on the device with the ops
+    plugin's kernel.
+    """
+
+    config: Any
+    tokenizer: Any
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    torch_device: torch.device
+    ops: Any
+
+
+class ConstraintState(abc.ABC):
+    """Where one sequence stands in its constraint; the engine keeps it in step with the sequence's tokens."""
+
+    @abc.abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """Advance by one generated token; False (state unchanged) if the constraint forbids it."""
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (tokens the engine took back)."""
+
+
+class LogitsProcessor(abc.ABC):
+    """Constrains what a sequence may generate next by editing its logits row every step.
+
+    The engine calls :meth:`compile` once per distinct constraint of a
+    request (and caches the result), :meth:`new_state` once per sequence,
+    and :meth:`apply` once per step with every constrained row of the
+    batch. It advances each state by every token its sequence accepts and
+    rolls it back when the engine takes tokens back, before the next
+    :meth:`apply`. All calls come from the engine's thread.
+    """
+
+    #: registered name (the ``structured.backend`` option that chose it)
+    name: str = "logits"
+
+    @abc.abstractmethod
+    def compile(self, spec: Any) -> Any:
+        """Prepare a :class:`kunlun_infer.engine.structured_output.StructuredOutput` for use.
+
+        :raises kunlun_infer.errors.RequestError: (field ``structured``) for a
+            constraint this processor cannot serve: an invalid schema, regex or
+            grammar, or a kind it does not support.
+        """
+
+    @abc.abstractmethod
+    def new_state(self, compiled: Any, *, stop_token_ids: frozenset[int]) -> ConstraintState:
+        """A fresh state at the start of the constrained text; ``stop_token_ids`` end the sequence."""
+
+    @abc.abstractmethod
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[ConstraintState]) -> None:
+        """Set ``logits[rows[i]]`` to ``-inf`` (in place) for every token ``states[i]`` forbids next.
+
+        ``logits`` is ``[N, vocab_size]`` on the device. A state whose text is
+        complete allows only its stop tokens.
+        """
+
+    def close(self) -> None:
+        """Release what the processor holds (threads, caches); called when the engine closes."""

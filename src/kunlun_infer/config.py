@@ -163,6 +163,14 @@ class PlatformChoice:
 
 
 @dataclasses.dataclass
+class StructuredConfig:
+    """``structured`` node: structured output (``SamplingParams.structured``, ``response_format``)."""
+
+    #: the logits processor that serves it, by registered name (built in: ``xgrammar``)
+    backend: str = "xgrammar"
+
+
+@dataclasses.dataclass
 class KunlunConfig:
     """The whole composed config (root schema)."""
 
@@ -177,6 +185,7 @@ class KunlunConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
     platform: PlatformChoice = dataclasses.field(default_factory=PlatformChoice)
+    structured: StructuredConfig = dataclasses.field(default_factory=StructuredConfig)
 
 
 #: the schema of each group, for plugin options to subclass (a platform option lists its five choices)

@@ -61,6 +61,20 @@ Attention backends (1.1)
     suite (:func:`kunlun_infer.testing.check_attention_backend`) checks a
     backend against the reference backend.
 
+Logits processors (1.2)
+    A plugin may register logits processors by name
+    (:func:`kunlun_infer_logits_processor_factories`); ``structured.backend``
+    picks the one that serves requests with structured output
+    (``SamplingParams.structured``). A processor
+    (:class:`kunlun_infer.capabilities.LogitsProcessor`) compiles a request's
+    constraint, keeps one :class:`~kunlun_infer.capabilities.ConstraintState`
+    per sequence (advanced by every token the sequence accepts, rolled back
+    when the engine takes tokens back) and masks the logits rows of the
+    constrained sequences once per step, in one batched call. The built-in
+    ``xgrammar`` processor fills a token bitmask on the host and applies it
+    with the op table's ``apply_token_bitmask``, which an ops plugin may
+    serve with its own kernel.
+
 Changes
     1.0 — first version of the contract.
     1.1 — the ``platform`` config group: :func:`kunlun_infer_config_options`
@@ -70,6 +84,11 @@ Changes
     ``CacheTensorSpec``, ``AttentionBackend``) and
     :mod:`kunlun_infer.ops.attention_step` (``AttentionStep``). A 1.0 plugin
     (op table only) loads and runs unchanged, on the reference backend.
+    1.2 — hook :func:`kunlun_infer_logits_processor_factories`; interfaces
+    ``LogitsProcessor``, ``ConstraintState`` and ``LogitsProcessorContext``
+    in :mod:`kunlun_infer.capabilities`; op ``apply_token_bitmask`` in the
+    op table (reference in :mod:`kunlun_infer.ops.reference`). Nothing else
+    changed: a 1.0 plugin loads and runs unchanged.
 """
 
 from __future__ import annotations
@@ -81,12 +100,13 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kunlun_infer.capabilities import Comm, Device, MemoryAllocator, OpsProvider, Streams
+    from kunlun_infer.capabilities import (Comm, Device, LogitsProcessor, LogitsProcessorContext, MemoryAllocator,
+                                           OpsProvider, Streams)
 
 #: pluggy project name and entry-point group
 PROJECT_NAME = "kunlun_infer"
 #: version of this contract, ``(major, minor)``
-HOOK_API_VERSION: tuple[int, int] = (1, 1)
+HOOK_API_VERSION: tuple[int, int] = (1, 2)
 HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -150,6 +170,8 @@ OpsFactory = Callable[..., "OpsProvider"]
 CommFactory = Callable[..., "Comm"]
 #: ``factory(*, config, device) -> Streams``
 StreamsFactory = Callable[..., "Streams"]
+#: ``factory(*, context: LogitsProcessorContext) -> LogitsProcessor``
+LogitsProcessorFactory = Callable[..., "LogitsProcessor"]
 
 
 # ============================================================== identity
@@ -254,6 +276,28 @@ def kunlun_infer_streams_factories() -> Mapping[str, StreamsFactory]:
         queued work. ``close`` stops any threads it started.
 
     Added in 1.0.
+    """
+
+
+# ============================================================== logits processors
+
+
+@hookspec
+def kunlun_infer_logits_processor_factories() -> Mapping[str, LogitsProcessorFactory]:
+    """Register logits-processor factories by name (structured-output backends).
+
+    :return: ``{name: factory}``. ``factory(context=...)`` gets a
+        :class:`kunlun_infer.capabilities.LogitsProcessorContext` (tokenizer,
+        vocabulary size, EOS ids, device, op table, the ``structured``
+        config node) and returns a
+        :class:`kunlun_infer.capabilities.LogitsProcessor`. The engine builds
+        the processor named by ``structured.backend`` when the first request
+        with structured output arrives, so a factory may import heavy
+        libraries; if one is missing it should raise
+        :class:`kunlun_infer.errors.RequestError` saying what to install.
+
+    Called once per plugin at load; names must be unique across plugins.
+    Added in 1.2.
     """
 
 

@@ -123,3 +123,17 @@ def test_suite_run_fails_a_broken_attention_backend(pytester, monkeypatch):
     assert outcomes["failed"] >= 2 and outcomes["failed"] + outcomes.get("skipped", 0) == 6
     assert "passed" not in outcomes
     result.stdout.fnmatch_lines(["*attention backend 'padded'*attend output differs from the reference*"])
+
+
+def test_check_op_catches_a_token_bitmask_read_in_the_wrong_bit_order():
+    def bits_reversed(logits, bitmask, rows):
+        flipped = torch.zeros_like(bitmask)
+        for j in range(32):  # bit j of each word read as bit 31 - j
+            flipped |= ((bitmask >> j) & 1) << (31 - j)
+        reference.apply_token_bitmask(logits, flipped, rows)
+
+    provider = DictOpsProvider({"apply_token_bitmask": bits_reversed})
+    with pytest.raises(ConformanceError, match=r"op 'apply_token_bitmask'.*argument 0 \(updated in place\)"):
+        check_op(provider, "apply_token_bitmask", torch.float32, torch.device("cpu"))
+    check_op(DictOpsProvider({"apply_token_bitmask": reference.apply_token_bitmask}), "apply_token_bitmask",
+             torch.float32, torch.device("cpu"))

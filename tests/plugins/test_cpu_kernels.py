@@ -321,3 +321,19 @@ def test_plugins_listing_and_doctor_name_the_kernel_set_and_why(monkeypatch):
         assert stack["cpu_kernels"].startswith("avx2 (AVX2 + FMA kernels")
         assert "the CPU lacks avx512_bf16" in stack["cpu_kernels"]
         assert "KUNLUN_INFER_CPU_ISA=avx2" in stack["cpu_kernels"]
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 33, 4096, 32003])
+def test_native_token_bitmask_forbids_exactly_what_the_reference_forbids(native_kernel_set, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32 + 1  # one word more than needed: bits past the vocabulary are ignored
+    bitmask = torch.randint(-2**31, 2**31 - 1, (20, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[3] = -1
+    bitmask[4] = 0
+    logits = torch.randn(40, vocab, generator=g)
+    rows = torch.randperm(40, generator=g)[:20]
+    mine, want = logits.clone(), logits.clone()
+    cpu_kernels.apply_token_bitmask(mine, bitmask, rows)
+    reference.apply_token_bitmask(want, bitmask, rows)
+    assert torch.equal(mine, want)
+    assert bool(mine[rows[4]].isinf().all()) and torch.equal(mine[rows[3]], logits[rows[3]])

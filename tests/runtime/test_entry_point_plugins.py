@@ -9,6 +9,7 @@ import torch
 
 from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
 from kunlun_infer import ConfigError, DeviceOutOfMemoryError, PluginError, PluginVersionError, compose_config
+from kunlun_infer.hookspecs import HOOK_API_VERSION_STR
 from kunlun_infer.runtime import PluginManager, Runtime
 from tests.runtime.plugin_sources import BROKEN_IMPORT, COUNTING_MEMORY, DUPLICATE_CACHING, FAILING_HOOK, FUTURE_API
 

@@ -22,12 +22,14 @@ def manager():
 
 def test_builtins_describe_themselves(manager):
     rows = {row["name"]: row for row in manager.describe()}
-    assert set(rows) == {"cpu", "cpu-memory", "torch-ops", "cpu-comm", "cpu-streams"}
+    assert set(rows) == {"cpu", "cpu-memory", "torch-ops", "cpu-comm", "cpu-streams", "xgrammar"}
     provided = {c for row in rows.values() for c in row["capabilities"]}
     assert provided == set(CAPABILITIES)
     for row in rows.values():
-        assert row["version"] and row["api"] == ">=1.0,<2" and row["stack"]["torch"]
+        assert row["version"] and row["stack"]["torch"]
+        assert row["api"] == (">=1.2,<2" if row["name"] == "xgrammar" else ">=1.0,<2")  # logits processors: 1.2
     assert rows["cpu-memory"]["options"] == {"memory": ["caching", "simple"]}
+    assert rows["xgrammar"]["options"] == {"logits_processor": ["xgrammar"]} and rows["xgrammar"]["stack"]["xgrammar"]
 
 
 @pytest.mark.parametrize("spec, admitted", [

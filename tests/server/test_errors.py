@@ -70,7 +70,16 @@ def test_bad_completion_parameters_are_named(server, body, param):
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+      "guided_regex": "a+"}, "guided_regex"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_regex": "(("}, "guided_regex"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_choice": []}, "guided_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs_mode": "final"}, "logprobs_mode"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "response_format"),
 ])
 def test_bad_chat_parameters_are_named(server, body, param):

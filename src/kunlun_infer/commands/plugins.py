@@ -26,6 +26,8 @@ def matrix(manager: Any) -> dict[str, Any]:
     return {
         "framework": {"name": "kunlun-infer", "version": __version__, "hook_api": HOOK_API_VERSION_STR},
         "capabilities": {c: {opt: manager.factory(c, opt)[0] for opt in manager.options(c)} for c in CAPABILITIES},
+        "logits_processors": {opt: manager.factory("logits_processor", opt)[0]
+                              for opt in manager.options("logits_processor")},
         "plugins": manager.describe(),
         "skipped": [{"name": name, "reason": reason} for name, reason in manager.skipped],
         "ops_coverage": ops_coverage(manager),

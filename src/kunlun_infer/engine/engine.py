@@ -29,9 +29,9 @@ import time
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from kunlun_infer.config import check_ranges, setting
+from kunlun_infer.config import StructuredConfig, check_ranges, setting
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.block_manager import BlockManager
 from kunlun_infer.engine.failures import describe_failure
@@ -46,6 +46,7 @@ from kunlun_infer.engine.sample_group import SampleGroup
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.startup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
+from kunlun_infer.engine.structured import StructuredOutputs
 from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
 from kunlun_infer.models import load_model, load_model_config, load_tokenizer
 from kunlun_infer.runtime import Runtime
@@ -109,7 +110,11 @@ class LLMEngine:
             free_before_weights = self.parallel.min_free_bytes  # the tightest rank sizes the cache of all
         else:
             model = load_model(self.model_path, runtime=rt, dtype=self.dtype, max_model_len=self.max_model_len)
-        sampler = Sampler(torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)))
+        self.structured = StructuredOutputs(
+            config=cfg.get("structured") or OmegaConf.structured(StructuredConfig), runtime=rt,
+            tokenizer=self.tokenizer.backend if self.tokenizer is not None else None, vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids, torch_device=self.device)
+        sampler = Sampler(torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)), self.structured)
         runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class
         self.runner = runner_class(model, device=self.device, block_size=self.block_size, sampler=sampler,
                                    memory=rt.memory)
@@ -139,7 +144,7 @@ class LLMEngine:
                                    chunked_prefill=chunked)
         self.intake = RequestIntake(tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                                     max_model_len=self.max_model_len, max_kv_tokens=num_blocks * self.block_size,
-                                    max_num_seqs=max_num_seqs)
+                                    max_num_seqs=max_num_seqs, structured=self.structured)
         self._observe_steps = rt.plugins.has_observers("kunlun_infer_engine_step")
         rt.plugins.engine_start({
             "model": str(self.model_path), "dtype": dtype_name(self.dtype),
@@ -189,6 +194,11 @@ class LLMEngine:
         group = SampleGroup(request_id, request.prompt, list(request.prompt_token_ids), request.params,
                             self._seq_ids, eos_token_ids=self.eos_token_ids, decoder=self.tokenizer,
                             device=self.device)
+        if request.params.structured is not None:
+            samples = [state.seq for state in group.samples]
+            for sample, constraint in zip(samples, self.structured.constraints(
+                    request.params.structured, [sample.stop_token_ids for sample in samples])):
+                sample.constraint = constraint
         self._requests[request_id] = group
         self.scheduler.add(group.leader)
         return request_id
@@ -359,6 +369,12 @@ class LLMEngine:
 
     def _release(self) -> None:
         runner = getattr(self, "runner", None)
+        structured = getattr(self, "structured", None)
+        try:
+            if structured is not None:
+                structured.close()
+        except Exception as exc:  # noqa: BLE001 - freeing the cache and the runtime matters more
+            log.error("closing the structured-output processor failed: %s", exc)
         try:
             if runner is not None:
                 runner.release_kv_cache()

@@ -4,12 +4,13 @@
 :class:`SamplingParams` into a :class:`PreparedRequest`: the token ids, the
 prompt text, and the request's own copy of the params, checked against what
 the engine serves (vocabulary, ``model.max_model_len``, the KV cache's
-capacity, ``scheduler.max_num_seqs``). :meth:`LLMEngine.add_request` queues a
-request prepared by its own engine as it is. Callers that must refuse a bad
-request before anything is queued (``LLM.generate`` checks a whole batch
-first; the server answers 400 before it streams) prepare requests with
-:meth:`LLMEngine.prepare_request` and hand those over, so a prompt is never
-tokenized or checked twice.
+capacity, ``scheduler.max_num_seqs``; a structured-output constraint is
+compiled, so one the grammar backend cannot serve is refused here).
+:meth:`LLMEngine.add_request` queues a request prepared by its own engine as
+it is. Callers that must refuse a bad request before anything is queued
+(``LLM.generate`` checks a whole batch first; the server answers 400 before
+it streams) prepare requests with :meth:`LLMEngine.prepare_request` and hand
+those over, so a prompt is never tokenized or checked twice.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class RequestIntake:
     #: tokens the whole KV cache holds: no request may need more, even running alone
     max_kv_tokens: int
     max_num_seqs: int
+    #: the engine's :class:`~kunlun_infer.engine.structured.StructuredOutputs` (compiles constraints)
+    structured: Any = None
 
     @property
     def max_request_tokens(self) -> int:
@@ -72,6 +75,10 @@ class RequestIntake:
         if params.n > self.max_num_seqs:
             raise RequestError(f"n={params.n} samples must be <= scheduler.max_num_seqs ({self.max_num_seqs}), "
                                f"since they run side by side", field="n")
+        if params.structured is not None:
+            if self.structured is None:
+                raise RequestError("structured: this engine serves no structured output", field="structured")
+            self.structured.compile(params.structured)  # compiled once, cached for add_request
         return PreparedRequest(text, tuple(token_ids), params, self)
 
     def accept(self, prompt: Prompt | PreparedRequest, params: SamplingParams | None) -> PreparedRequest:

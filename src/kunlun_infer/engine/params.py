@@ -13,10 +13,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
+from kunlun_infer.engine.structured_output import StructuredOutput
 from kunlun_infer.errors import RequestError
 
 #: most alternatives a request may ask logprobs for, per generated token
 MAX_LOGPROBS = 20
+#: what ``logprobs`` are taken of: the model's own distribution, or the one the sampler draws from
+LOGPROBS_MODES = ("raw", "processed")
 #: temperatures below this sample greedily: dividing logits by them would overflow to infinities
 GREEDY_BELOW = 1e-5
 
@@ -49,6 +52,16 @@ class SamplingParams:
     generated, EOS and ``stop_token_ids`` cannot be drawn and ``stop``
     strings end nothing (their text is kept). ``n`` draws that many samples
     of the prompt; they share its KV cache.
+
+    ``structured`` (a :class:`StructuredOutput`, or a dict of its fields
+    such as ``{"json": schema}`` or ``{"regex": "[0-9]+"}``) constrains the
+    text to a language: every step only tokens that keep it inside can be
+    drawn, and it ends with a stop token once the language is complete (so
+    it does not combine with ``ignore_eos`` or ``min_tokens``).
+    ``logprobs_mode``: ``"raw"`` (default) reports the model's distribution
+    (``log_softmax`` of its logits); ``"processed"`` the one after penalties,
+    the ``min_tokens`` mask and the structured-output mask (before
+    temperature and the top-k/top-p/min-p filters).
     """
 
     max_tokens: int = 16
@@ -67,8 +80,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
+        self.structured = StructuredOutput.coerce(self.structured)
         self.stop = _as_tuple("stop", self.stop, one=str)
         self.stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, one=int)
         self._validate()
@@ -102,6 +118,14 @@ class SamplingParams:
             _require_number(name, getattr(self, name), "in [-2, 2] (0 = off)", lambda v: -2 <= v <= 2)
         _require_number("min_p", self.min_p, "in [0, 1] (0 = off)", lambda v: 0 <= v <= 1)
         _require_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens, note=" (at most max_tokens)")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise RequestError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                               f"{self.logprobs_mode!r}", field="logprobs_mode")
+        if self.structured is not None:
+            clash = "ignore_eos" if self.ignore_eos else "min_tokens" if self.min_tokens else None
+            if clash:
+                raise RequestError(f"{clash} cannot be combined with structured output: the grammar decides "
+                                   f"where the text ends (with a stop token); leave {clash} out", field=clash)
 
     @property
     def has_penalties(self) -> bool:

@@ -11,8 +11,13 @@ row asks for them) and drawn with the exponential-race trick: the argmax of
 tokens below ``min_p`` times a row's top probability just before the draw. The noise ``q``
 of a row with a ``seed`` comes from that request's own generator, so its
 tokens do not depend on what else is in the batch; other rows share the
-engine's generator. Logprobs are those of the model's raw distribution
-(``log_softmax`` of the logits, before penalties, temperature and filters).
+engine's generator. Rows whose sequence carries a structured-output
+constraint are masked after the penalties (every such row in one call of the
+engine's logits processor), so only tokens their grammar allows can be drawn.
+Logprobs are those of the model's raw distribution (``log_softmax`` of the
+logits, before penalties, masks, temperature and filters), or with
+``logprobs_mode="processed"`` of the penalized and masked logits (tokens a
+mask forbids are left out of the top alternatives).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +47,8 @@ class TokenHistory(Protocol):
     num_prompt_tokens: int
     #: tokens that end the sequence (masked while ``min_tokens`` is not reached)
     stop_token_ids: frozenset[int]
+    #: the structured-output state (``engine.structured.Constraint``) or ``None``
+    constraint: Any
 
 
 def token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -120,22 +127,30 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 class Sampler:
     """Turns a ``[N, vocab]`` float32 logits tensor into tokens for N requests."""
 
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator, structured: Any = None) -> None:
         #: noise for rows without a seed of their own
         self.generator = generator
+        #: the engine's :class:`~kunlun_infer.engine.structured.StructuredOutputs` (masks constrained rows)
+        self.structured = structured
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
                  histories: Sequence[TokenHistory] | None = None) -> SamplerOutput:
-        """``histories[i]`` (the sequence of row ``i``) is needed when a row has penalties or ``min_tokens``."""
+        """``histories[i]`` (the sequence of row ``i``) is needed for penalties, ``min_tokens`` and constraints."""
         device = logits.device
         processed = self._process(logits, params, histories)
+        if histories is not None and any(p.structured is not None for p in params):
+            if processed is logits and any(p.logprobs is not None and p.logprobs_mode == "raw" for p in params):
+                processed = logits.clone()  # the raw logits are still needed for logprobs
+            if self.structured is None:
+                raise ValueError("the sampler needs the engine's structured outputs to mask constrained rows")
+            self.structured.apply(processed, histories)
         greedy_tokens = processed.argmax(dim=-1)
         if all(p.greedy for p in params):
             tokens = greedy_tokens
         else:
             tokens = self._sample(processed, params, generators, device, greedy_tokens)
-        return SamplerOutput(tokens.tolist(), self._logprobs(logits, tokens, params))
+        return SamplerOutput(tokens.tolist(), self._logprobs(logits, processed, tokens, params))
 
     @staticmethod
     def _process(logits: torch.Tensor, params: list[SamplingParams],
@@ -182,14 +197,20 @@ class Sampler:
         return torch.where(is_greedy, greedy_tokens, sampled)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+    def _logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor,
                   params: list[SamplingParams]) -> list[dict[int, float] | None]:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         result: list[dict[int, float] | None] = [None] * len(params)
         if not rows:
             return result
         index = torch.tensor(rows, device=logits.device)
-        logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
+        source = logits.index_select(0, index)
+        if processed is not logits:
+            use_processed = [params[i].logprobs_mode == "processed" for i in rows]
+            if any(use_processed):
+                chosen_rows = torch.tensor(use_processed, device=logits.device).unsqueeze(1)
+                source = torch.where(chosen_rows, processed.index_select(0, index), source)
+        logprobs = torch.log_softmax(source, dim=-1)
         chosen = logprobs.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1).tolist()
         width = max(params[i].logprobs for i in rows)  # type: ignore[type-var]
         top_values, top_ids = logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0])
@@ -197,7 +218,7 @@ class Sampler:
         chosen_ids = tokens.index_select(0, index).tolist()
         for j, row in enumerate(rows):
             n = params[row].logprobs
-            entry = dict(zip(top_ids[j][:n], top_values[j][:n]))
+            entry = {t: v for t, v in zip(top_ids[j][:n], top_values[j][:n]) if v != float("-inf")}
             entry[chosen_ids[j]] = chosen[j]
             result[row] = entry
         return result

@@ -16,6 +16,7 @@ draws from (``generator``).
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
@@ -63,6 +64,8 @@ class Sequence:
         #: prompt tokens found in the prefix cache when first scheduled
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
+        #: the structured-output state of this sample (``engine.structured.Constraint``), if it asked for one
+        self.constraint: Any = None
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids))
 

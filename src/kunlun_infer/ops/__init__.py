@@ -122,6 +122,15 @@ def _sample_paged_attention(dtype, device, g):
     return (q, k_cache, v_cache, tables, lens, qsl, d ** -0.5), {}
 
 
+def _sample_token_bitmask(dtype, device, g):
+    vocab, words = 100, 4  # the mask covers 128 tokens: the last 28 bits lie beyond the vocabulary
+    logits = _randn(g, 5, vocab, dtype=dtype, device=device)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2, 1:] = 0  # only the first 32 tokens may be drawn
+    return (logits, bitmask.to(device), torch.tensor([4, 0, 2], device=device)), {}
+
+
 OP_SPECS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (
@@ -134,6 +143,7 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("embedding", reference.embedding, _sample_embedding),
         OpSpec("store_kv", reference.store_kv, _sample_store_kv, in_place_arg=2),
         OpSpec("paged_attention", reference.paged_attention, _sample_paged_attention),
+        OpSpec("apply_token_bitmask", reference.apply_token_bitmask, _sample_token_bitmask, in_place_arg=0),
     )
 }
 for _name, _spec in OP_SPECS.items():

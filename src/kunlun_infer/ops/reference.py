@@ -133,3 +133,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, vi).transpose(0, 1).to(q.dtype)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set to ``-inf`` (in place) the logits of the tokens a bitmask forbids.
+
+    ``logits``: ``[N, V]``. ``bitmask``: ``[R, W]`` int32 with ``32 * W >= V``;
+    bit ``j`` of word ``w`` of row ``r`` is 1 when token ``32 * w + j`` is
+    allowed. ``rows``: ``[R]`` int64, the logits row each bitmask row applies
+    to (distinct). Rows not listed are left alone.
+    """
+    vocab = logits.shape[-1]
+    if bitmask.shape[-1] * 32 < vocab:
+        raise ValueError(f"the bitmask covers {bitmask.shape[-1] * 32} tokens, fewer than the {vocab} logits")
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, masked)

@@ -77,6 +77,7 @@ SIGNATURES = {
     "kunlun_silu_and_mul": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "kunlun_rotary": ([_P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int],
                       ctypes.c_int),
+    "kunlun_apply_token_bitmask": ([_P, _I64, _I64, _P, _I64, _P, _I64], None),
 }
 
 

@@ -39,6 +39,11 @@ from kunlun_infer.runtime.versions import check_api_range
 ALLOW_ENV = "KUNLUN_INFER_PLUGINS"
 BLOCK_ENV = "KUNLUN_INFER_DISABLE_PLUGINS"
 STRICT_ENV = "KUNLUN_INFER_STRICT_PLUGINS"
+#: factory hook of each capability, then of each engine extension (registered by name the same way)
+FACTORY_HOOKS: dict[str, str] = {
+    **{capability: f"kunlun_infer_{capability}_factories" for capability in CAPABILITIES},
+    "logits_processor": "kunlun_infer_logits_processor_factories",
+}
 
 
 @dataclasses.dataclass
@@ -51,7 +56,7 @@ class LoadedPlugin:
     entry_point: str | None = None
     distribution: str | None = None
     distribution_version: str | None = None
-    #: capability → {option name: factory}
+    #: capability (or extension, see ``FACTORY_HOOKS``) → {option name: factory}
     factories: dict[str, dict[str, Callable[..., Any]]] = dataclasses.field(default_factory=dict)
     config_options: list[ConfigOption] = dataclasses.field(default_factory=list)
     module: Any = None
@@ -98,7 +103,7 @@ class PluginManager:
         self.load_errors: list[LoadError] = []
         #: entry points left out on purpose: ``(name, reason)``
         self.skipped: list[tuple[str, str]] = []
-        self._factories: dict[str, dict[str, tuple[str, Callable[..., Any]]]] = {c: {} for c in CAPABILITIES}
+        self._factories: dict[str, dict[str, tuple[str, Callable[..., Any]]]] = {c: {} for c in FACTORY_HOOKS}
 
     # ------------------------------------------------------------------ loading
 
@@ -206,8 +211,7 @@ class PluginManager:
                               f"{other.distribution or other.source}; rename one of them", plugin=name,
                               hook="kunlun_infer_plugin_info")
         loaded = LoadedPlugin(name=name, info=info, module=plugin, **where)
-        for capability in CAPABILITIES:
-            hook = f"kunlun_infer_{capability}_factories"
+        for capability, hook in FACTORY_HOOKS.items():
             for result in self._call_one(reg_name, name, hook):
                 if not isinstance(result, Mapping):
                     raise PluginError(f"plugin '{name}': {hook} returned {type(result).__name__}, expected a "
@@ -257,7 +261,7 @@ class PluginManager:
         the one meant to provide ``option``.
         """
         if capability not in self._factories:
-            raise PluginError(f"unknown capability '{capability}'; capabilities: {', '.join(CAPABILITIES)}",
+            raise PluginError(f"unknown capability '{capability}'; capabilities: {', '.join(FACTORY_HOOKS)}",
                               layer="runtime")
         if option in self._factories[capability]:
             return self._factories[capability][option]
@@ -314,7 +318,7 @@ class PluginManager:
                 "name": p.name, "version": p.info.version, "source": p.source, "entry_point": p.entry_point,
                 "distribution": p.distribution, "distribution_version": p.distribution_version,
                 "api": p.info.api, "capabilities": list(p.info.capabilities),
-                "options": {c: p.options(c) for c in CAPABILITIES if p.options(c)},
+                "options": {c: p.options(c) for c in FACTORY_HOOKS if p.options(c)},
                 "config_options": sorted(f"{o.group}={o.name}" for o in p.config_options),
                 "stack": dict(p.info.stack), "description": p.info.description, "error": None,
             })

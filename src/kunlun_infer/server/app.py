@@ -142,6 +142,16 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
         count(endpoint, response.status_code)
         return response
 
+    async def prepare(prompts: list[Any], params: Any, field: str | None) -> list[Any]:
+        """``engine.prepare_request`` for each prompt; a constraint is compiled off the event loop (the first
+        one imports the grammar library), and its errors name the body field that set it."""
+        try:
+            if params.structured is not None:
+                return await asyncio.to_thread(lambda: [engine.prepare_request(p, params) for p in prompts])
+            return [engine.prepare_request(p, params) for p in prompts]
+        except RequestError as exc:
+            raise ApiError.from_request_error(exc, structured_field=field) from None
+
     async def run(request: Request, generation: Generation, builder: Any, stream: bool,
                   include_usage: bool) -> Response:
         generation.start()
@@ -167,7 +177,7 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
             req = await parse_body(request, CompletionRequest)
             state.check_model(req.model)
             params = req.sampling_params(max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs)
-            prepared = [engine.prepare_request(p, params) for p in req.prompts()]
+            prepared = await prepare(req.prompts(), params, req.structured_output()[1])
             builder = CompletionBuilder(state.model_name, state.token_text, req.logprobs or 0)
             return await run(request, Generation(state.loop, prepared), builder, req.stream, req.include_usage)
 
@@ -191,7 +201,7 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
                                param="messages")
             max_tokens = req.max_completion_tokens or req.max_tokens or room
             params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs_count())
-            prepared = engine.prepare_request(ids, params)
+            (prepared,) = await prepare([ids], params, req.structured_output()[1])
             builder = ChatBuilder(state.model_name, state.token_text, req.top_logprobs or 0)
             return await run(request, Generation(state.loop, [prepared]), builder, req.stream, req.include_usage)
 

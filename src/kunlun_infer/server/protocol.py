@@ -6,18 +6,23 @@ empty ``logit_bias`` …), so a client never silently gets something other than
 what it asked for, and an unknown field is refused by name. Beyond the
 OpenAI fields, the usual engine extensions are accepted: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``. Every refusal is an :class:`ApiError` carrying the HTTP
+``stop_token_ids``, ``logprobs_mode``, and structured output through
+``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``
+(chat also takes OpenAI's ``response_format`` ``json_object`` and
+``json_schema``). Every refusal is an :class:`ApiError` carrying the HTTP
 status and the OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.engine.structured_output import StructuredOutput
 from kunlun_infer.errors import KunlunInferError, RequestError
 from kunlun_infer.server.redact import public_text
 
@@ -39,8 +44,39 @@ class ApiError(KunlunInferError):
                           "code": self.code}}
 
     @classmethod
-    def from_request_error(cls, exc: RequestError) -> ApiError:
+    def from_request_error(cls, exc: RequestError, *, structured_field: str | None = None) -> ApiError:
+        """A 400 naming the field; an error of the engine's ``structured`` field names the body field that set it."""
+        if structured_field and exc.field == "structured":
+            return cls(str(exc).replace("structured", structured_field, 1), param=structured_field)
         return cls(str(exc), param=exc.field)
+
+
+def structured_from(field: str, fields: dict[str, Any]) -> StructuredOutput:
+    """A :class:`StructuredOutput`, its shape errors named after the body ``field``."""
+    try:
+        return StructuredOutput(**fields)
+    except RequestError as exc:
+        raise ApiError.from_request_error(exc, structured_field=field) from None
+
+
+def response_format_output(response_format: dict[str, Any] | None) -> StructuredOutput | None:
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return structured_from("response_format", {"json_object": True})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise ApiError("response_format.json_schema must be an object with a 'name' and a 'schema'",
+                           param="response_format.json_schema")
+        schema = spec.get("schema", {"type": "object"})
+        return structured_from("response_format", {"json": schema})
+    raise ApiError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {json.dumps(kind)}",
+                   param="response_format.type")
 
 
 class StreamOptions(BaseModel):
@@ -73,15 +109,34 @@ class _SamplingRequest(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_neutral(self) -> None:
         """Refuse OpenAI fields this server only supports at their neutral value."""
         if self.logit_bias:
             raise ApiError("logit_bias is not supported by this server; leave it out", param="logit_bias")
 
+    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
+        """The constraint the body asks for and the field that asked (``guided_*``), or ``(None, None)``."""
+        asked = {name: value for name, value in (("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+                                                 ("guided_choice", self.guided_choice),
+                                                 ("guided_grammar", self.guided_grammar)) if value is not None}
+        if len(asked) > 1:
+            raise ApiError(f"set at most one of {', '.join(asked)}", param=list(asked)[1])
+        if not asked:
+            return None, None
+        (field, value), = asked.items()
+        kind = field.removeprefix("guided_")
+        return structured_from(field, {kind: value}), field
+
     def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; :class:`ApiError` naming the field for a bad value."""
         self.check_neutral()
+        structured, field = self.structured_output()
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
@@ -90,9 +145,10 @@ class _SamplingRequest(BaseModel):
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
                 stop_token_ids=list(self.stop_token_ids or ()), logprobs=logprobs, n=self.n,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens)
+                repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
+                structured=structured, logprobs_mode=self.logprobs_mode)
         except RequestError as exc:
-            raise ApiError.from_request_error(exc) from None
+            raise ApiError.from_request_error(exc, structured_field=field) from None
 
     @property
     def include_usage(self) -> bool:
@@ -165,11 +221,17 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
+        guided, field = super().structured_output()
+        from_format = response_format_output(self.response_format)
+        if from_format is None:
+            return guided, field
+        if guided is not None:
+            raise ApiError(f"set either response_format or {field}, not both", param=field)
+        return from_format, "response_format"
+
     def check_neutral(self) -> None:
         super().check_neutral()
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ApiError("response_format other than {'type': 'text'} is not supported by this server",
-                           param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
 

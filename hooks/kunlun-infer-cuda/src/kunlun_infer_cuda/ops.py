@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.capabilities import DictOpsProvider
+from kunlun_infer.ops import reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,6 +110,8 @@ KERNELS = {
     "embedding": embedding,
     "store_kv": store_kv,
     "paged_attention": paged_attention,
+    # structured output: the reference's shifts and masked fill are element-wise, fast as they are on a GPU
+    "apply_token_bitmask": reference.apply_token_bitmask,
 }
 
 
