@@ -2,13 +2,15 @@
 
 The chip implements the element-wise and matrix ops (``rms_norm``,
 ``add_rms_norm``, ``silu_and_mul``, ``pack_linear_weight`` + ``linear``,
-``embedding``, ``store_kv``) but has no kernel for ``rotary_embedding``, nor
-the op table's ``paged_attention``. A model therefore runs on simchip only
-through the runtime's fallback to the reference ``rotary_embedding``
-(logged and counted), and ``ops.strict=true`` refuses, listing it: both
-paths get exercised without hardware. Attention is served by the chip's own
-attention backend (hook API 1.1, :mod:`kunlun_infer_simchip.attention`): a
-Kunlun-style cache layout and split decode/prefill kernels.
+``embedding``, ``store_kv``) and the structured-output mask
+(``apply_token_bitmask``, hook API 1.2) but has no kernel for
+``rotary_embedding``, nor the op table's ``paged_attention``. A model
+therefore runs on simchip only through the runtime's fallback to the
+reference ``rotary_embedding`` (logged and counted), and ``ops.strict=true``
+refuses, listing it: both paths get exercised without hardware. Attention is
+served by the chip's own attention backend (hook API 1.1,
+:mod:`kunlun_infer_simchip.attention`): a Kunlun-style cache layout and split
+decode/prefill kernels.
 
 The kernels are written the way a chip with a 2-D matrix unit and float32
 vector lanes would do them: leading dims are flattened before a matmul, and
@@ -75,6 +77,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_slots.index_put_((slots,), value.index_select(0, valid).to(v_cache.dtype))
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    # one 32-lane compare per bitmask word: lane j tests bit j, then a select writes -inf where it is clear
+    lanes = torch.tensor([1 << j for j in range(31)] + [-(1 << 31)], dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask.unsqueeze(-1) & lanes) != 0
+    selected = logits.index_select(0, rows)
+    allowed = allowed.reshape(rows.numel(), -1)[:, :logits.shape[-1]]
+    logits.index_copy_(0, rows, torch.where(allowed, selected, torch.full_like(selected, float("-inf"))))
+
+
 KERNELS = {
     "rms_norm": rms_norm,
     "add_rms_norm": add_rms_norm,
@@ -83,6 +94,7 @@ KERNELS = {
     "linear": linear,
     "embedding": embedding,
     "store_kv": store_kv,
+    "apply_token_bitmask": apply_token_bitmask,
 }
 
 
