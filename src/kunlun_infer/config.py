@@ -135,6 +135,8 @@ class ServerConfig:
     port: int = ranged(8000, "in [0, 65535] (0 = any free port)", lambda v: 0 <= v <= 65535)
     max_queue: int = ranged(256, ">= 0", _at_least(0))
     model_name: Optional[str] = None
+    #: how the model writes tool calls (``hermes`` | ``llama3_json``); ``None`` = read it off the chat template
+    tool_call_parser: Optional[str] = None
 
 
 @dataclasses.dataclass

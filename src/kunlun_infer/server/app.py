@@ -25,13 +25,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kunlun_infer.chat import encode_prompt, engine_chat_template
-from kunlun_infer.errors import RequestError
+from kunlun_infer.errors import ConfigError, RequestError
 from kunlun_infer.server.engine_loop import EngineLoop, EngineUnavailableError, ServerBusyError
 from kunlun_infer.server.generation import Generation
 from kunlun_infer.server.metrics import ServerMetrics
 from kunlun_infer.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error
 from kunlun_infer.server.redact import public_text
 from kunlun_infer.server.responses import DONE, ChatBuilder, CompletionBuilder, TokenText, sse
+from kunlun_infer.tool_calls import STYLES, ToolCallStyle, detect_style, forced_calls
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -57,10 +58,15 @@ class EventStream(StreamingResponse):
 
 
 class ServerState:
-    """What the routes share: the engine loop, metrics, the served model's name and its chat template."""
+    """What the routes share: the engine loop, metrics, the served model's name, chat template and tool syntax."""
 
     def __init__(self, engine: Any, *, model_name: str, max_queue: int) -> None:
         self.engine = engine
+        server_config = getattr(getattr(engine, "config", None), "server", None)
+        self.tool_call_parser = server_config.get("tool_call_parser") if server_config is not None else None
+        if self.tool_call_parser is not None and self.tool_call_parser not in STYLES:
+            raise ConfigError(f"server.tool_call_parser must be one of {', '.join(STYLES)} or null (detect it from "
+                              f"the chat template), got {self.tool_call_parser!r}")
         self.model_name = model_name
         self.metrics = ServerMetrics(lambda: self.loop.stats, lambda: self.loop.num_queued)
         self.loop = EngineLoop(engine, max_queue=max_queue, metrics=self.metrics)
@@ -72,6 +78,15 @@ class ServerState:
         if self._chat_template is None:
             self._chat_template = engine_chat_template(self.engine)
         return self._chat_template
+
+    def tool_style(self) -> ToolCallStyle:
+        """The model's tool-call syntax: ``server.tool_call_parser``, else the one its chat template teaches."""
+        name = self.tool_call_parser or detect_style(self.chat_template().source)
+        if name is None:
+            raise ApiError("tools: this model's chat template shows no tool-call syntax, so calls could not be "
+                           f"read back; start the server with server.tool_call_parser= one of {', '.join(STYLES)}",
+                           param="tools")
+        return STYLES[name]
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -188,7 +203,18 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
         async def handle() -> Response:
             req = await parse_body(request, ChatCompletionRequest)
             state.check_model(req.model)
-            text = state.chat_template().render(req.template_messages(), tools=req.tools,
+            tools = req.tool_dicts()
+            mode, callable_tools = req.tool_mode()
+            style = state.tool_style() if mode != "none" else None
+            structured = req.structured_output()
+            # a named function is called once; otherwise parallel_tool_calls decides
+            parallel = req.parallel_tool_calls and not (mode == "forced" and req.tool_choice != "required")
+            if mode == "forced":
+                if structured[0] is not None:
+                    raise ApiError(f"tool_choice forces tool calls, which {structured[1]} would contradict; send "
+                                   f"one of them", param="tool_choice")
+                structured = (forced_calls(style, callable_tools, parallel=parallel), "tool_choice")
+            text = state.chat_template().render(req.template_messages(), tools=tools or None,
                                                 add_generation_prompt=req.add_generation_prompt,
                                                 **(req.chat_template_kwargs or {}))
             ids = encode_prompt(engine.tokenizer, text)
@@ -200,9 +226,10 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
                                f"within {limit} tokens (model.max_model_len and the KV cache); shorten it",
                                param="messages")
             max_tokens = req.max_completion_tokens or req.max_tokens or room
-            params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs_count())
-            (prepared,) = await prepare([ids], params, req.structured_output()[1])
-            builder = ChatBuilder(state.model_name, state.token_text, req.top_logprobs or 0)
+            params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs_count(), structured=structured)
+            (prepared,) = await prepare([ids], params, structured[1])
+            builder = ChatBuilder(state.model_name, state.token_text, req.top_logprobs or 0, tool_style=style,
+                                  parallel_tool_calls=parallel)
             return await run(request, Generation(state.loop, [prepared]), builder, req.stream, req.include_usage)
 
         return await answer("/v1/chat/completions", handle)

@@ -133,10 +133,15 @@ class _SamplingRequest(BaseModel):
         kind = field.removeprefix("guided_")
         return structured_from(field, {kind: value}), field
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; :class:`ApiError` naming the field for a bad value."""
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None,
+                        structured: tuple[StructuredOutput | None, str | None] | None = None) -> SamplingParams:
+        """The engine's parameters; :class:`ApiError` naming the field for a bad value.
+
+        ``structured``: the constraint and the body field that set it, when the
+        caller decided it (tool calls); else the body's own.
+        """
         self.check_neutral()
-        structured, field = self.structured_output()
+        structured, field = self.structured_output() if structured is None else structured
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
@@ -199,12 +204,60 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: text parts joined, tool-call arguments as objects.
+
+        OpenAI sends a call's ``arguments`` as JSON text; templates write them
+        with ``tojson`` (as ``transformers`` documents), so they get the object.
+        """
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
         else:
             message["content"] = self.content
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_call_for_template(call) for call in calls]
         return message
+
+
+def _call_for_template(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: OpenAI's ``tools[].function``."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -214,9 +267,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -238,13 +291,41 @@ class ChatCompletionRequest(_SamplingRequest):
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as plain dicts (what templates and the forced format take)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
+
+    def tool_mode(self) -> tuple[str, list[dict[str, Any]]]:
+        """``(mode, tools to call)``: ``none``, ``auto`` (free), or ``forced`` with the functions it may call.
+
+        Like OpenAI: no ``tool_choice`` means ``auto`` with tools, ``none``
+        without; ``required`` or a named function need tools.
+        """
+        tools = self.tool_dicts()
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if choice == "none" or (choice == "auto" and not tools):
+            return "none", []
+        if not tools:
+            raise ApiError(f"tool_choice {json.dumps(choice if isinstance(choice, str) else choice.model_dump())} "
+                           f"needs tools", param="tool_choice")
+        if choice == "auto":
+            return "auto", tools
+        if choice == "required":
+            return "forced", tools
+        named = [tool for tool in tools if tool["function"]["name"] == choice.function.name]
+        if not named:
+            raise ApiError(f"tool_choice names the function '{choice.function.name}', which is not among the "
+                           f"tools ({', '.join(t['function']['name'] for t in tools)})", param="tool_choice")
+        return "forced", named[:1]
+
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
 
 _UNION_HINTS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
                 "stop": "a string or a list of strings",
-                "content": "a string or a list of {'type': 'text', 'text': ...} parts"}
+                "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+                "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"}
 
 
 _TYPE_TAGS = ("str", "int", "float", "bool")

@@ -2,7 +2,11 @@
 
 Completions are ``text_completion`` objects; chat completions are
 ``chat.completion`` objects and ``chat.completion.chunk`` stream chunks whose
-first chunk per choice carries the ``assistant`` role. Streams are
+first chunk per choice carries the ``assistant`` role. With tools, each
+choice's text goes through a :class:`~kunlun_infer.tool_calls.ToolCallParser`:
+calls come back as ``tool_calls`` (streamed as the call's id and name, then
+pieces of ``function.arguments``) and the choice finishes with
+``"tool_calls"``. Streams are
 server-sent events: ``data: <json>\\n\\n`` per chunk, then ``data: [DONE]``.
 """
 
@@ -14,6 +18,7 @@ import uuid
 from typing import Any
 
 from kunlun_infer.engine.outputs import RequestOutput
+from kunlun_infer.tool_calls import ToolCallDelta, ToolCallParser, ToolCallStyle, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -118,13 +123,38 @@ class CompletionBuilder:
         return {**self._envelope(choices), "usage": usage}
 
 
-class ChatBuilder:
-    """Bodies of one ``/v1/chat/completions`` answer (whole, or as stream chunks)."""
+def _tool_call_deltas(delta: ToolCallDelta) -> list[dict[str, Any]]:
+    """OpenAI's ``delta.tool_calls``: a call's first piece names it, later ones add ``function.arguments``."""
+    calls = []
+    for call in delta.calls:
+        function = {"arguments": call["arguments"]}
+        entry: dict[str, Any] = {"index": call["index"]}
+        if "id" in call:
+            entry.update(id=call["id"], type="function")
+            function = {"name": call["name"], **function}
+        entry["function"] = function
+        calls.append(entry)
+    return calls
 
-    def __init__(self, model: str, token_text: TokenText, top_logprobs: int) -> None:
+
+class ChatBuilder:
+    """Bodies of one ``/v1/chat/completions`` answer (whole, or as stream chunks).
+
+    ``tool_style``: the tool-call syntax to read each choice with (``None``:
+    plain content); ``parallel_tool_calls=False`` keeps the first call only.
+    """
+
+    def __init__(self, model: str, token_text: TokenText, top_logprobs: int,
+                 tool_style: ToolCallStyle | None = None, parallel_tool_calls: bool = True) -> None:
         self.id, self.created, self.model = new_id("chatcmpl"), int(time.time()), model
         self.token_text, self.top = token_text, top_logprobs
+        self.tool_style, self.parallel_tool_calls = tool_style, parallel_tool_calls
         self._sent_tokens: dict[int, int] = {}
+        self._parsers: dict[int, ToolCallParser] = {}
+
+    def _finish_reason(self, output: RequestOutput, called: bool) -> str | None:
+        reason = finish_reason(output)
+        return "tool_calls" if called and reason == "stop" else reason
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -138,18 +168,47 @@ class ChatBuilder:
     def chunk(self, index: int, output: RequestOutput) -> dict[str, Any] | None:
         if not output.delta_text and not output.finished:
             return None
+        delta: dict[str, Any] = {"content": output.delta_text} if output.delta_text else {}
+        called = False
+        if self.tool_style is not None:
+            parser = self._parsers.setdefault(index, ToolCallParser(self.tool_style,
+                                                                    parallel=self.parallel_tool_calls))
+            parsed = parser.feed(output.delta_text)
+            if output.finished:
+                rest = parser.finish()
+                parsed.content += rest.content
+                for call in rest.calls:
+                    parsed.add_call(**call)
+            if not parsed and not output.finished:
+                return None  # held back: maybe the start of a call
+            delta = {"content": parsed.content} if parsed.content else {}
+            if parsed.calls:
+                delta["tool_calls"] = _tool_call_deltas(parsed)
+            called = parser.has_calls
         start = self._sent_tokens.get(index, 0)
         self._sent_tokens[index] = len(output.token_ids)
-        delta = {"content": output.delta_text} if output.delta_text else {}
         return self._envelope("chat.completion.chunk", [{
             "index": index, "delta": delta, "logprobs": chat_logprobs(output, start, self.token_text, self.top),
-            "finish_reason": finish_reason(output)}])
+            "finish_reason": self._finish_reason(output, called)}])
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage}
 
+    def message(self, output: RequestOutput) -> tuple[dict[str, Any], bool]:
+        """The choice's ``message`` and whether it calls tools."""
+        if self.tool_style is None:
+            return {"role": "assistant", "content": output.text}, False
+        content, calls = parse_tool_calls(self.tool_style, output.text, parallel=self.parallel_tool_calls)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        return message, bool(calls)
+
     def response(self, finals: dict[int, RequestOutput], usage: dict[str, int]) -> dict[str, Any]:
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": chat_logprobs(o, 0, self.token_text, self.top), "finish_reason": o.finish_reason}
-                   for i, o in sorted(finals.items())]
+        choices = []
+        for i, output in sorted(finals.items()):
+            message, called = self.message(output)
+            choices.append({"index": i, "message": message, "logprobs": chat_logprobs(output, 0, self.token_text,
+                                                                                     self.top),
+                            "finish_reason": self._finish_reason(output, called)})
         return {**self._envelope("chat.completion", choices), "usage": usage}
