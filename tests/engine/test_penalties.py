@@ -167,3 +167,18 @@ def test_engine_min_tokens_keeps_going_past_a_stop_token(tiny_model, make_llm):
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
     held = llm.generate([[5, 6, 7]], greedy(max_tokens=8, stop_token_ids=[first], min_tokens=4), use_tqdm=False)[0]
     assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
+
+
+def test_logprobs_mode_reports_the_raw_or_the_penalized_distribution():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = random_logits()
+    params = [greedy(logprobs=2, repetition_penalty=1.8), greedy(logprobs=2, repetition_penalty=1.8,
+                                                                logprobs_mode="processed"), greedy(logprobs=0)]
+    out = Sampler(torch.Generator())(logits.clone(), params, [None] * 3, HISTORIES)
+    penalized = RepetitionPenaltyLogitsProcessor(1.8)(torch.tensor([HISTORIES[1].token_ids]), logits[1:2].clone())[0]
+    raw_row0, processed_row1 = torch.log_softmax(logits[0], -1), torch.log_softmax(penalized, -1)
+    assert out.logprobs[0] == {t: pytest.approx(float(raw_row0[t]), abs=1e-6) for t in out.logprobs[0]}
+    assert out.logprobs[1] == {t: pytest.approx(float(processed_row1[t]), abs=1e-6) for t in out.logprobs[1]}
+    assert set(out.logprobs[1]) >= set(processed_row1.topk(2).indices.tolist())
+    assert out.token_ids[1] == int(penalized.argmax())  # the same distribution the token was drawn from

@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI routes over one :class:`EngineLoop`.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (``stream=true`` answers
-with server-sent events), ``/v1/models``, ``/health`` and ``/metrics``.
+with server-sent events), ``/v1/models``, ``/tokenize`` and ``/detokenize``,
+``/health`` and ``/metrics``.
 Request bodies are parsed here rather than by FastAPI so that every refusal
 — malformed JSON, a bad field, an unknown model, a full queue — has the
 OpenAI error shape. Handlers have the engine prepare (tokenize and check)
@@ -29,7 +30,8 @@ from kunlun_infer.errors import ConfigError, RequestError
 from kunlun_infer.server.engine_loop import EngineLoop, EngineUnavailableError, ServerBusyError
 from kunlun_infer.server.generation import Generation
 from kunlun_infer.server.metrics import ServerMetrics
-from kunlun_infer.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error
+from kunlun_infer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                          TokenizeRequest, validation_error)
 from kunlun_infer.server.redact import public_text
 from kunlun_infer.server.responses import DONE, ChatBuilder, CompletionBuilder, TokenText, sse
 from kunlun_infer.tool_calls import STYLES, ToolCallStyle, detect_style, forced_calls
@@ -233,6 +235,50 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
             return await run(request, Generation(state.loop, [prepared]), builder, req.stream, req.include_usage)
 
         return await answer("/v1/chat/completions", handle)
+
+    def tokenizer() -> Any:
+        if engine.tokenizer is None:
+            raise ApiError("this model has no tokenizer.json, so it has no text to tokenize or detokenize",
+                           param="model")
+        return engine.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        async def handle() -> Response:
+            from kunlun_infer.chat import encode_prompt
+
+            req = await parse_body(request, TokenizeRequest)
+            state.check_model(req.model)
+            req.check()
+            tok = tokenizer()
+            if req.messages is not None:
+                text = state.chat_template().render([m.for_template() for m in req.messages],
+                                                    tools=[t.model_dump(exclude_none=True) for t in req.tools or ()]
+                                                    or None, add_generation_prompt=req.add_generation_prompt,
+                                                    **(req.chat_template_kwargs or {}))
+                ids = encode_prompt(tok, text)  # the template wrote the special tokens
+            else:
+                ids = list(tok.backend.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids)
+            body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+            if req.return_token_strs:
+                body["token_strs"] = [tok.id_to_token(i) for i in ids]
+            return JSONResponse(body)
+
+        return await answer("/tokenize", handle)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        async def handle() -> Response:
+            req = await parse_body(request, DetokenizeRequest)
+            state.check_model(req.model)
+            tok = tokenizer()
+            bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < engine.vocab_size), None)
+            if bad is not None:
+                raise ApiError(f"tokens[{bad}]: {req.tokens[bad]} is not a token id; ids are in "
+                               f"[0, {engine.vocab_size - 1}]", param=f"tokens[{bad}]")
+            return JSONResponse({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
+
+        return await answer("/detokenize", handle)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -322,6 +322,34 @@ class ChatCompletionRequest(_SamplingRequest):
         return [m.for_template() for m in self.messages]
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered by the model's template first."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError("send either prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise ApiError("messages must hold at least one message", param="messages")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
 _UNION_HINTS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
                 "stop": "a string or a list of strings",
                 "content": "a string or a list of {'type': 'text', 'text': ...} parts",
