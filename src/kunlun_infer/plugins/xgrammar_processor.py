@@ -18,13 +18,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import tokenizers
 import torch
 
-from kunlun_infer import __version__
 from kunlun_infer.capabilities import ConstraintState, LogitsProcessor, LogitsProcessorContext
 from kunlun_infer.engine.structured_output import FIELD, StructuredOutput, TaggedSequence
 from kunlun_infer.errors import RequestError
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
+from kunlun_infer.version import __version__
 
 PLUGIN_NAME = "xgrammar"
 INSTALL_HINT = ("structured output needs the xgrammar library: pip install 'kunlun-infer[structured]' "
@@ -77,10 +78,8 @@ class XGrammarProcessor(LogitsProcessor):
     name = PLUGIN_NAME
 
     def __init__(self, context: LogitsProcessorContext) -> None:
-        import tokenizers
-
         xgr = self.xgr = _import_xgrammar()
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # a dependency of xgrammar's, heavy to import
 
         if context.tokenizer is None:
             raise RequestError("structured output needs the model's tokenizer.json, which this model lacks",

@@ -245,8 +245,6 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         async def handle() -> Response:
-            from kunlun_infer.chat import encode_prompt
-
             req = await parse_body(request, TokenizeRequest)
             state.check_model(req.model)
             req.check()
