@@ -1,8 +1,11 @@
-"""The control plane: a step's flat batch survives the trip to the workers; the process layout sets the config."""
+"""The control plane: a step's flat batch survives the trip to the workers; the process layout sets the config;
+the KV cache reaches the other ranks only through an explicit resize."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import types
 
 import pytest
 import torch
@@ -10,10 +13,15 @@ import torch
 from kunlun_infer import ConfigError, compose_config
 from kunlun_infer.engine.model_runner import build_step_inputs
 from kunlun_infer.engine.parallel.control_plane import ControlPlane, Kind, exchange_status, pack_step, unpack_step
+from kunlun_infer.engine.parallel.driver import DriverRunner
 from kunlun_infer.engine.parallel.placement import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sequence import Sequence
+from kunlun_infer.ops.attention import AttentionSpec
+from kunlun_infer.ops.reference_attention import ReferenceAttentionBackend
 from kunlun_infer.plugins.cpu_comm import GlooComm
+from kunlun_infer.plugins.cpu_device import CpuDevice
+from kunlun_infer.plugins.cpu_memory import CachingAllocator
 
 
 def step_inputs(long_prompt: int = 0):
@@ -99,3 +107,20 @@ def test_comm_is_chosen_only_when_the_config_cannot_serve_the_ranks():
     assert resolved.comm.name == "gloo" and auto.comm.name == "single"  # the caller's config is not changed
     with pytest.raises(ConfigError, match="parallel.tensor_size=0"):
         resolve_parallel_config(compose_config(["parallel.tensor_size=0"]), None)
+
+
+def test_the_kv_cache_reaches_the_other_ranks_only_through_an_explicit_resize():
+    sent = []
+    group = types.SimpleNamespace(plane=types.SimpleNamespace(send_kv=sent.append),
+                                  collective=lambda what: contextlib.nullcontext())
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    model = types.SimpleNamespace(attention=ReferenceAttentionBackend(spec), num_layers=2)
+    memory = CachingAllocator(device=CpuDevice())
+    runner = DriverRunner(model, group=group, device=torch.device("cpu"), block_size=4, sampler=None,
+                          memory=memory)
+    with pytest.raises(AttributeError):
+        runner.kv_caches = []  # no assignment that talks to the other ranks behind the caller's back
+    runner.resize_kv_cache(5)
+    assert sent == [5] and len(runner.kv_caches) == 2 and memory.stats().allocated > 0
+    runner.release_kv_cache()  # at shutdown: this rank's memory only, no message
+    assert sent == [5] and runner.kv_caches == [] and memory.stats().allocated == 0
