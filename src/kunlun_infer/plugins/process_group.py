@@ -115,7 +115,9 @@ class ProcessGroupComm(Comm):
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        # the backend may fill the parts from its own thread, where torch 2.5 refuses writes to inference tensors
+        with torch.inference_mode(False):
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self.group.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=dim)
 
