@@ -148,7 +148,7 @@ def main() -> None:
                      "cache.num_blocks=1024", "model.max_model_len=1024"]
         with ki.LLM(overrides=overrides) as llm:
             engine = llm.engine
-            prompts = [engine.tokenize(f"record {i}: ")[1] for i in range(BATCH)]
+            prompts = [engine.tokenizer.encode(f"record {i}: ") for i in range(BATCH)]
             free = [ki.SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=i, ignore_eos=True)
                     for i in range(BATCH)]
             constrained = [ki.SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=i,
