@@ -79,6 +79,10 @@ class StreamsConfig:
     name: str = MISSING
 
 
+#: ``model.quantization`` values (``none`` = full-precision weights)
+QUANTIZATION_METHODS = ("none", "int8")
+
+
 @dataclasses.dataclass
 class ModelConfig:
     """``model`` group. ``path=None`` means the embedded default model."""
@@ -90,6 +94,12 @@ class ModelConfig:
     #: tokenizer folder; ``None`` = ``path``
     tokenizer: Optional[str] = None
     seed: int = 0
+    #: weight quantization at load: ``none`` (or null) | ``int8`` (see ``kunlun_infer.layers.quantization``)
+    quantization: Optional[str] = ranged(None, ", ".join(QUANTIZATION_METHODS) + " or null",
+                                         lambda v: v is None or str(v).lower() in QUANTIZATION_METHODS)
+    #: with ``quantization``: the LM head too / the token-embedding table too
+    quantize_head: bool = True
+    quantize_embedding: bool = True
 
 
 @dataclasses.dataclass

@@ -89,6 +89,11 @@ Changes
     in :mod:`kunlun_infer.capabilities`; op ``apply_token_bitmask`` in the
     op table (reference in :mod:`kunlun_infer.ops.reference`). Nothing else
     changed: a 1.0 plugin loads and runs unchanged.
+    1.3 — the op table gains ``pack_int8_linear_weight`` and ``int8_linear``
+    (int8 weights per output channel, activations quantized per token at run
+    time; used when ``model.quantization=int8``). A provider without them is
+    served by the references, like any op it lacks; a 1.2 plugin loads and
+    runs unchanged.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 #: pluggy project name and entry-point group
 PROJECT_NAME = "kunlun_infer"
 #: version of this contract, ``(major, minor)``
-HOOK_API_VERSION: tuple[int, int] = (1, 2)
+HOOK_API_VERSION: tuple[int, int] = (1, 3)
 HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

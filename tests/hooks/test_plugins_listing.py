@@ -12,6 +12,7 @@ from tests.hooks.conftest import require_package
 require_package("kunlun_infer_simchip", "kunlun-infer-simchip")
 
 from kunlun_infer.cli import main  # noqa: E402
+from kunlun_infer.layers.quantization import INT8_OPS  # noqa: E402
 
 
 def run(*argv):
@@ -41,7 +42,8 @@ def test_json_matrix_carries_coverage_per_ops_option():
     data = json.loads(run("plugins", "--json"))
     simchip = data["ops_coverage"]["simchip"]
     assert simchip["plugin"] == "simchip" and simchip["error"] is None
-    assert simchip["fallbacks"] == ["paged_attention", "rotary_embedding"]
+    # plus the int8 ops of hook API 1.3, which this plugin predates
+    assert simchip["fallbacks"] == sorted(["paged_attention", "rotary_embedding", *INT8_OPS])
     assert simchip["attention"] == "simchip-kunlun-layout"  # its own backend: paged_attention is not needed
     for builtin in ("torch", "cpu"):  # the built-in op tables are complete and answer without a device
         assert data["ops_coverage"][builtin]["error"] is None
@@ -51,11 +53,12 @@ def test_json_matrix_carries_coverage_per_ops_option():
     assert row["distribution"] == "kunlun-infer-simchip" and row["options"]["device"] == ["simchip"]
 
 
-# without the vendor's kernel library, ops=kunlun runs its vendor-backed ops on the reference
-KUNLUN_WITHOUT_KERNELS = ["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+# without the vendor's kernel library, ops=kunlun runs its vendor-backed ops on the reference (and the int8 ops
+# of hook API 1.3 on the reference everywhere)
+KUNLUN_WITHOUT_KERNELS = sorted(["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", *INT8_OPS])
 
 
-@pytest.mark.parametrize("name,module,comm,fallbacks", [("cuda", "kunlun_infer_cuda", "nccl", []),
+@pytest.mark.parametrize("name,module,comm,fallbacks", [("cuda", "kunlun_infer_cuda", "nccl", sorted(INT8_OPS)),
                                                         ("kunlun", "kunlun_infer_kunlun", "bkcl",
                                                          KUNLUN_WITHOUT_KERNELS)])
 def test_hardware_plugins_list_on_a_host_without_their_hardware(name, module, comm, fallbacks, monkeypatch):

@@ -189,6 +189,65 @@ def test_model_on_cpu_ops_matches_transformers_and_counts_packed_weights(tmp_pat
         assert max_relative_error(out[i], hf_logits(hf, tokens)) < (3e-2 if dtype is torch.bfloat16 else 1e-4)
 
 
+# ---------------------------------------------------------------------- int8 weights
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("out_features, in_features", [(24, 40), (33, 258), (64, 7), (5, 1)])
+def test_int8_kernel_equals_the_reference_bit_for_bit(native_kernel_set, dtype, out_features, in_features):
+    # ragged tiles, reductions not a multiple of four, every row-block remainder; the integer sums are exact
+    # and the scaling rounds as the reference does, so nothing may differ
+    g = torch.Generator().manual_seed(out_features + in_features)
+    q, scale = reference.quantize_int8(torch.randn(out_features, in_features, generator=g))
+    packed = cpu_kernels.pack_int8_linear_weight(q, scale)
+    assert cpu_gemm.is_packed_int8(packed)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    for rows in _ROWS:
+        x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
+        for b in (bias, None):
+            got = cpu_kernels.int8_linear(x, packed, b)
+            assert got.dtype == dtype and torch.equal(got, reference.int8_linear(x, (q, scale), b)), rows
+    zero_rows = torch.zeros(2, in_features, dtype=dtype)  # an all-zero row quantizes with scale 1
+    assert torch.equal(cpu_kernels.int8_linear(zero_rows, packed, bias), bias.expand(2, -1))
+
+
+def test_int8_linear_without_native_kernels_is_the_reference(kernel_set):
+    q, scale = reference.quantize_int8(torch.randn(16, 12))
+    packed = cpu_kernels.pack_int8_linear_weight(q, scale)
+    assert cpu_gemm.is_packed_int8(packed) == (kernel_set != "torch")
+    x = torch.randn(3, 2, 12)
+    out = cpu_kernels.int8_linear(x, packed)
+    assert out.shape == (3, 2, 16) and torch.equal(out, reference.int8_linear(x, (q, scale)))
+    with pytest.raises((ValueError, RuntimeError)):
+        cpu_kernels.int8_linear(torch.randn(3, 11), packed)
+
+
+def test_conformance_catches_an_int8_linear_that_skips_quantizing_the_activations():
+    from kunlun_infer.capabilities import DictOpsProvider
+    from kunlun_infer.testing import ConformanceError, check_op
+
+    def weight_only(x, packed, bias=None):  # dequantized weights times float activations: not int8_linear
+        q, scale = packed
+        return torch.nn.functional.linear(x.float(), q.float() * scale[:, None], None if bias is None else
+                                          bias.float()).to(x.dtype)
+
+    kernels = {"pack_int8_linear_weight": reference.pack_int8_linear_weight, "int8_linear": weight_only}
+    with pytest.raises(ConformanceError, match="int8_linear"):
+        check_op(DictOpsProvider(kernels), "int8_linear", torch.float32, torch.device("cpu"))
+    check_op(DictOpsProvider({**kernels, "int8_linear": reference.int8_linear}), "int8_linear", torch.float32,
+             torch.device("cpu"))
+
+
+def test_int8_reference_is_close_to_the_float_product():
+    # what int8 costs: each of weights and activations carries at most half a step of its row's scale
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(64, 256, generator=g), torch.randn(8, 256, generator=g)
+    out = reference.int8_linear(x, reference.pack_int8_linear_weight(*reference.quantize_int8(weight)))
+    exact = x @ weight.T
+    assert (out - exact).abs().max() < 0.02 * exact.abs().max()
+    assert not torch.equal(out, exact)
+
+
 # ---------------------------------------------------------------------- norms, SwiGLU, rotary
 
 #: float32 agrees to rounding; bf16 to one unit in the last place (the reference's own roundings are reproduced)

@@ -5,13 +5,14 @@ import math
 import pytest
 import torch
 
+from kunlun_infer.layers.quantization import INT8_OPS
 from kunlun_infer.ops import OP_SPECS, TOLERANCES, reference
 
 from kunlun_infer_cuda.ops import KERNELS, TorchCudaOps
 
 
 def test_covers_the_whole_table():
-    assert set(TorchCudaOps().available()) == set(OP_SPECS)
+    assert set(TorchCudaOps().available()) == set(OP_SPECS) - set(INT8_OPS)  # int8 ops (API 1.3): references
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

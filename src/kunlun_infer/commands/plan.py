@@ -42,7 +42,9 @@ def _render(plan: Any) -> list[str]:
         ("device memory", d["device_memory"], d["device_memory_source"]),
         (f"reserve (1 - cache.memory_fraction={d['memory_fraction']})", d["reserve"], "left alone"),
         ("usable", d["usable"], "memory_fraction × device memory"),
-        ("  weights", d["weights"], f"{_count(d['params_per_rank'])} params × {d['bytes_per_param']} B"
+        ("  weights", d["weights"], (f"{_count(d['params_per_rank'])} params, quantized to {d['quantization']}"
+                                     if d["quantization"] else
+                                     f"{_count(d['params_per_rank'])} params × {d['bytes_per_param']} B")
                                     + (" (as loaded)" if d["weight_source"] == "loaded" else "")),
         ("  activation peak", d["activations"], f"{activation} of {d['warm_up_tokens']} tokens"),
         ("  comm buffers", d["comm_buffers"], f"comm={d['comm']}"),

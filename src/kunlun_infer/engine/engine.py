@@ -48,6 +48,7 @@ from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.startup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
 from kunlun_infer.engine.structured import StructuredOutputs
 from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
+from kunlun_infer.layers.quantization import Quantization
 from kunlun_infer.models import load_model, load_model_config, load_tokenizer
 from kunlun_infer.runtime import Runtime
 
@@ -96,6 +97,7 @@ class LLMEngine:
         self.model_path = model_dir(cfg.model.path)
         self.model_config = arch = load_model_config(self.model_path)
         self.dtype = choose_dtype(str(cfg.model.dtype), getattr(arch, "torch_dtype", None), rt.device)
+        self.quantization = Quantization.from_config(cfg.model)
         self.max_model_len = choose_max_model_len(cfg.model.max_model_len, arch.max_context_len)
         arch.check_max_model_len(self.max_model_len)
         self.tokenizer = self._load_tokenizer()
@@ -106,10 +108,11 @@ class LLMEngine:
         if tensor_size > 1:
             self.parallel = TensorParallelGroup.start(cfg, rt)
             model = self.parallel.load_model(self.model_path, dtype=self.dtype, max_model_len=self.max_model_len,
-                                             block_size=self.block_size)
+                                             block_size=self.block_size, quantization=self.quantization)
             free_before_weights = self.parallel.min_free_bytes  # the tightest rank sizes the cache of all
         else:
-            model = load_model(self.model_path, runtime=rt, dtype=self.dtype, max_model_len=self.max_model_len)
+            model = load_model(self.model_path, runtime=rt, dtype=self.dtype, max_model_len=self.max_model_len,
+                               quantization=self.quantization)
         self.structured = StructuredOutputs(
             config=cfg.get("structured") or OmegaConf.structured(StructuredConfig), runtime=rt,
             tokenizer=self.tokenizer.backend if self.tokenizer is not None else None, vocab_size=self.vocab_size,

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 import torch
 
 from kunlun_infer.capabilities import Comm, Streams
 from kunlun_infer.ops.attention import AttentionBackend
 from kunlun_infer.runtime.optable import OpTable
+
+if TYPE_CHECKING:  # the quantization module builds on the layers, which build on this context
+    from kunlun_infer.layers.quantization import Quantization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,8 @@ class LayerContext:
     streams: Streams | None = None
     #: the run's attention backend, which owns the KV cache's layout and the attention kernels
     attention: AttentionBackend | None = None
+    #: ``model.quantization``; ``None`` = full-precision weights
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

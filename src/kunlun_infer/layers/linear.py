@@ -4,7 +4,9 @@ Each rank keeps only its part of a weight and loads it from the full
 checkpoint tensor by slicing (rows for column-parallel, columns for
 row-parallel). After loading, :meth:`LinearBase.pack_weights` hands the weight
 once to ``ops.pack_linear_weight`` so a plugin may re-layout it; every forward
-then calls ``ops.linear`` with the packed weight.
+then calls ``ops.linear`` with the packed weight. Under ``model.quantization=int8``
+the weight is quantized instead (``layers.quantization``) and multiplied by
+``ops.int8_linear``.
 
 - :class:`ReplicatedLinear` — every rank holds the whole weight.
 - :class:`ColumnParallelLinear` — output features split; no collective.
@@ -29,6 +31,7 @@ from torch import nn
 
 from kunlun_infer.layers.context import LayerContext, divide
 from kunlun_infer.layers.weights import WeightSpec, copy_weight, read_part, shares_storage
+from kunlun_infer.ops.reference import quantize_int8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +79,24 @@ class LinearBase(nn.Module):
         copy_weight(target, loaded)
 
     def pack_weights(self) -> None:
-        """Hand the loaded weight to ``ops.pack_linear_weight`` once; drop the original if repacked."""
+        """Hand the loaded weight to ``ops.pack_linear_weight`` once (drop the original if repacked), or
+        quantize it and hand it to ``ops.pack_int8_linear_weight`` under ``model.quantization=int8``."""
+        if self.ctx.quantization is not None:
+            self.packed_weight = self.ctx.ops.pack_int8_linear_weight(*quantize_int8(self.weight.data))
+            self.weight = None
+            return
         self.packed_weight = self.ctx.ops.pack_linear_weight(self.weight)
         if not shares_storage(self.packed_weight, self.weight):
             self.weight = None
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` through the op that serves this layer's (packed) weight."""
+        if self.ctx.quantization is not None:
+            return self.ctx.ops.int8_linear(x, self.packed_weight, bias)
+        return self.ctx.ops.linear(x, self.packed_weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.ops.linear(x, self.packed_weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -168,6 +182,6 @@ class RowParallelLinear(LinearBase):
         bias = self.bias if self.ctx.tp_rank == 0 else None
         num_chunks = min(self.overlap_max_chunks, x.shape[0] // self.overlap_min_rows)
         if self.ctx.streams is not None and num_chunks >= 2:
-            return self.ctx.all_reduce_pipelined(lambda rows: self.ctx.ops.linear(rows, self.packed_weight, bias),
+            return self.ctx.all_reduce_pipelined(lambda rows: self.matmul(rows, bias),
                                                  x, num_chunks)
-        return self.ctx.all_reduce(self.ctx.ops.linear(x, self.packed_weight, bias))
+        return self.ctx.all_reduce(self.matmul(x, bias))

@@ -102,7 +102,10 @@ class CausalLM(nn.Module):
     def weight_nbytes(self) -> int:
         """Bytes held by weights on the device (parameters and packed weights, each counted once)."""
         seen, total = set(), 0
-        tensors = list(self.parameters()) + [getattr(m, "packed_weight", None) for m in self.modules()]
+        tensors = list(self.parameters())
+        for m in self.modules():  # a packed weight may be a tensor or a tuple of them (an int8 weight and scales)
+            packed = getattr(m, "packed_weight", None)
+            tensors += list(packed) if isinstance(packed, (tuple, list)) else [packed]
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue

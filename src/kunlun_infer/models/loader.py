@@ -23,6 +23,7 @@ from kunlun_infer.capabilities import Streams
 from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.errors import ModelLoadError
 from kunlun_infer.layers import LayerContext
+from kunlun_infer.layers.quantization import Quantization
 from kunlun_infer.models.base import CausalLM
 from kunlun_infer.models.config import ModelArchConfig, load_model_config, read_json
 from kunlun_infer.models.llama import LlamaForCausalLM
@@ -176,13 +177,14 @@ def _overlap_streams(runtime: ModelRuntime, tp_size: int) -> Streams | None:
 
 
 def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-               max_model_len: int | None = None) -> CausalLM:
+               max_model_len: int | None = None, quantization: Quantization | None = None) -> CausalLM:
     """Load the model in ``model_dir`` for rank ``tp_rank`` of ``tp_size`` on the runtime's device.
 
     ``max_model_len`` sizes the rotary table (default: the model's
     ``max_context_len``). Ops are resolved through ``runtime.resolve_ops``;
     attention is served by the ops plugin's backend when it has one
     (``runtime.attention_backend``), else by the reference backend.
+    ``quantization`` (``model.quantization``) quantizes the weights at load.
     """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
@@ -196,10 +198,11 @@ def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dty
         spec = cls.attention_spec(config, dtype=dtype, tp_size=tp_size)
     except ValueError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: cannot split this model over {tp_size} ranks: {e}") from e
-    ops, attention = resolve_attention(runtime, cls.required_ops, spec)
+    required = cls.required_ops + (quantization.required_ops if quantization is not None else ())
+    ops, attention = resolve_attention(runtime, required, spec)
     ctx = LayerContext(ops=ops, device=runtime.device.torch_device, attention=attention,
                        dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, comm=runtime.comm if tp_size > 1 else None,
-                       streams=_overlap_streams(runtime, tp_size))
+                       streams=_overlap_streams(runtime, tp_size), quantization=quantization)
     try:
         model = cls(config, ctx, max_model_len)
     except ValueError as e:

@@ -83,6 +83,17 @@ def _sample_linear(dtype, device, g):
             _randn(g, 24, dtype=dtype, device=device)), {}
 
 
+def _sample_pack_int8(dtype, device, g):
+    q, scale = reference.quantize_int8(torch.randn(24, 40, generator=g))
+    return (q.to(device), scale.to(device)), {}
+
+
+def _sample_int8_linear(dtype, device, g):
+    q, scale = reference.quantize_int8(torch.randn(24, 40, generator=g))
+    x = _randn(g, 6, 40, dtype=dtype, device=device)
+    return (x, (q.to(device), scale.to(device)), _randn(g, 24, dtype=dtype, device=device)), {}
+
+
 def _sample_embedding(dtype, device, g):
     return (torch.randint(0, 50, (11,), generator=g).to(device), _randn(g, 50, 16, dtype=dtype, device=device)), {}
 
@@ -144,6 +155,9 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("store_kv", reference.store_kv, _sample_store_kv, in_place_arg=2),
         OpSpec("paged_attention", reference.paged_attention, _sample_paged_attention),
         OpSpec("apply_token_bitmask", reference.apply_token_bitmask, _sample_token_bitmask, in_place_arg=0),
+        # added in hook API 1.3 (model.quantization=int8)
+        OpSpec("pack_int8_linear_weight", reference.pack_int8_linear_weight, _sample_pack_int8),
+        OpSpec("int8_linear", reference.int8_linear, _sample_int8_linear),
     )
 }
 for _name, _spec in OP_SPECS.items():

@@ -69,6 +69,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+#: reduction length whose int8 x int8 sums float32 still holds exactly (1024 * 127 * 127 < 2**24)
+_EXACT_FP32_CHUNK = 1024
+
+
+def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of a 2-D tensor: ``(q, scale)`` with ``t ≈ q * scale[:, None]``.
+
+    ``scale = max|row| / 127`` in float32 (1 for an all-zero row) and ``q = round(row / scale)`` (half to
+    even) in ``[-127, 127]``. It quantizes linear weights at load (one scale per output channel) and,
+    inside ``int8_linear``, each row of activations at run time.
+    """
+    t = t.to(torch.float32)
+    amax = t.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(t / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack_int8_linear_weight(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepare an int8 ``[out, in]`` weight and its ``[out]`` float32 scales (``quantize_int8`` of a weight)
+    for ``int8_linear``; the reference keeps the pair. A provider may return any object."""
+    return qweight, scale
+
+
+def int8_linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor],
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for an int8 weight from ``pack_int8_linear_weight`` (W8A8, dynamic per token).
+
+    Each row of ``x`` is quantized like a weight row (``quantize_int8``), the integer products are summed
+    exactly, and ``sum * (x_scale * w_scale)`` (+ ``bias``) is computed in float32, returned in ``x``'s dtype.
+    """
+    qweight, w_scale = packed
+    rows = x.reshape(-1, x.shape[-1])
+    qx, x_scale = quantize_int8(rows)
+    total = torch.zeros(rows.shape[0], qweight.shape[0], dtype=torch.int32, device=x.device)
+    for start in range(0, qweight.shape[1], _EXACT_FP32_CHUNK):  # exact partial sums, added as integers
+        part = slice(start, start + _EXACT_FP32_CHUNK)
+        total += (qx[:, part].to(torch.float32) @ qweight[:, part].to(torch.float32).T).to(torch.int32)
+    out = total.to(torch.float32) * (x_scale[:, None] * w_scale[None, :])
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
+
+
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Rows of ``weight`` selected by ``ids``."""
     return F.embedding(ids, weight)

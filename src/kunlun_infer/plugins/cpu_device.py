@@ -43,7 +43,8 @@ def _cpuinfo() -> dict[str, str]:
 #: env var capping the instruction sets the host kernels may use, to run (and test) the kernels another CPU gets
 ISA_ENV = "KUNLUN_INFER_CPU_ISA"
 #: cap -> flag prefixes it hides
-_ISA_CAPS = {"native": (), "avx512": ("amx",), "avx2-vnni": ("avx512", "amx"), "avx2": ("avx512", "amx", "avx_vnni")}
+_ISA_CAPS = {"native": (), "avx512": ("amx",), "avx2-vnni": ("avx512", "amx"),
+             "avx2": ("avx512", "amx", "avx_vnni")}
 
 
 def cpu_flags() -> frozenset[str]:

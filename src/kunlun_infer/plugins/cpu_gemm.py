@@ -71,3 +71,48 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
         if status != 0:
             raise MemoryError(f"linear: no memory for the {rows.shape[0]} x {k} row buffer of the GEMM")
     return out.view(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------- int8 weights (``native/gemm_int8.c``)
+
+#: attribute holding ``(out_features, in_features)`` of an int8 weight packed here
+PACKED_INT8_SHAPE = "_kunlun_int8_shape"
+
+
+def int8_available() -> bool:
+    """Whether int8 weights go to the native int8 GEMM on this machine."""
+    return cpu_native.library() is not None
+
+
+def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An int8 ``[N, K]`` weight and its ``[N]`` scales in the kernel's layout (one flat int8 tensor holding the
+    tiles, then the scales and the sums the unsigned dot products subtract, padded to the tiles)."""
+    n, k = qweight.shape
+    lib = cpu_native.library()
+    packed = torch.empty(int(lib.kunlun_int8_packed_bytes(n, k)), dtype=torch.int8)
+    q = qweight.detach().to(torch.int8).contiguous()
+    s = scale.detach().to(torch.float32).contiguous()
+    lib.kunlun_pack_int8(q.data_ptr(), s.data_ptr(), packed.data_ptr(), n, k)
+    setattr(packed, PACKED_INT8_SHAPE, (n, k))
+    return packed
+
+
+def is_packed_int8(weight: object) -> bool:
+    return hasattr(weight, PACKED_INT8_SHAPE)
+
+
+def linear_int8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``ops.reference.int8_linear`` for a weight from :func:`pack_int8`; ``x`` in bf16 or float32."""
+    n, k = getattr(packed, PACKED_INT8_SHAPE)
+    if x.shape[-1] != k:
+        raise ValueError(f"int8_linear: input features {x.shape[-1]} do not match the weight's {k}")
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    if rows.shape[0]:
+        bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        status = cpu_native.library().kunlun_gemm_int8(
+            packed.data_ptr(), rows.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+            rows.shape[0], n, k, x.dtype is torch.bfloat16)
+        if status != 0:
+            raise MemoryError(f"int8_linear: no memory for the {rows.shape[0]} x {k} quantized rows")
+    return out.view(*x.shape[:-1], n)

@@ -11,6 +11,9 @@ Where the time of a CPU step goes, and what each kernel does about it:
   to oneDNN's tile kernels (``mkldnn._reorder_linear_weight``, then
   ``mkldnn._linear_pointwise``), which is also the bf16 fallback without
   native kernels. Other dtypes keep the weight as it is and use ``F.linear``.
+- ``int8_linear`` (``model.quantization=int8``) — int8 weights packed at load
+  for the native int8 GEMM (VNNI dot products where the CPU has them, AVX2
+  byte multiply-adds elsewhere), activations quantized per row in the call.
 - ``paged_attention`` — :mod:`kunlun_infer.plugins.cpu_attention`: decode
   reads K/V in place through the block tables, prompts run through SDPA.
 - ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_embedding`` —
@@ -91,6 +94,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if getattr(weight, _ONEDNN_PACKED, False):
         return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def pack_int8_linear_weight(qweight: torch.Tensor, scale: torch.Tensor) -> Any:
+    """An int8 weight and its scales packed for the native int8 GEMM; the reference's pair without it."""
+    if cpu_gemm.int8_available() and qweight.device.type == "cpu" and qweight.dim() == 2 and qweight.shape[1] > 0:
+        return cpu_gemm.pack_int8(qweight, scale)
+    return reference.pack_int8_linear_weight(qweight, scale)
+
+
+def int8_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``ops.reference.int8_linear`` by whichever kernel :func:`pack_int8_linear_weight` packed for."""
+    if cpu_gemm.is_packed_int8(packed):
+        if x.dtype in _NATIVE_DTYPES:
+            return cpu_gemm.linear_int8(x, packed, bias)
+        # other float dtypes widen exactly to float32, and the float32 result rounds as the reference's does
+        return cpu_gemm.linear_int8(x.to(torch.float32), packed, bias).to(x.dtype)
+    return reference.int8_linear(x, packed, bias)
 
 
 # ---------------------------------------------------------------------- norms, activation, rotary
@@ -179,5 +199,6 @@ def kernels() -> dict[str, Any]:
     table = {name: spec.reference for name, spec in OP_SPECS.items()}
     table.update(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul,
                  rotary_embedding=rotary_embedding, paged_attention=paged_attention,
-                 pack_linear_weight=pack_linear_weight, linear=linear, apply_token_bitmask=apply_token_bitmask)
+                 pack_linear_weight=pack_linear_weight, linear=linear, apply_token_bitmask=apply_token_bitmask,
+                 pack_int8_linear_weight=pack_int8_linear_weight, int8_linear=int8_linear)
     return table

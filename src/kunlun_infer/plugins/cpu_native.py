@@ -2,8 +2,9 @@
 
 A *kernel set* is the whole of ``native/*.c`` compiled for one instruction
 set (``simd.h`` gives the sources one vector vocabulary): ``avx512-bf16``
-(AVX-512 with the bf16 and VNNI dot products), ``avx2`` (AVX2 + FMA + F16C,
-bf16 weights widened to float32 in registers). :func:`selection` — the one
+(AVX-512 with the bf16 and VNNI dot products), ``avx2-vnni`` and ``avx2``
+(AVX2 + FMA + F16C, bf16 weights widened to float32 in registers; int8 dot
+products through AVX-VNNI where the CPU has it). :func:`selection` — the one
 place that decides — takes the best set this CPU runs
 (:func:`~kunlun_infer.plugins.cpu_device.cpu_flags`, capped by
 ``$KUNLUN_INFER_CPU_ISA``), builds it with ``$CC`` (default ``cc``) into the
@@ -58,6 +59,8 @@ KERNEL_SETS: tuple[KernelSet, ...] = (
               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma",
                "-mf16c"),
               "AVX-512 kernels, bf16 dot products (VDPBF16PS) and int8 (VNNI)"),
+    KernelSet("avx2-vnni", frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+              "AVX2 + FMA kernels, bf16 widened to float32 in registers, int8 through AVX-VNNI"),
     KernelSet("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
               "AVX2 + FMA kernels, bf16 widened to float32 in registers"),
 )
@@ -71,6 +74,9 @@ SIGNATURES = {
     "kunlun_pack_f32": ([_P, _P, _I64, _I64], None),
     "kunlun_gemm_f32": ([_P, _P, _P, _P, _I64, _I64, _I64], ctypes.c_int),
     "kunlun_fma_probe": ([_I64], ctypes.c_double),
+    "kunlun_int8_packed_bytes": ([_I64, _I64], _I64),
+    "kunlun_pack_int8": ([_P, _P, _P, _I64, _I64], None),
+    "kunlun_gemm_int8": ([_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),
     "kunlun_paged_decode_attention": ([_P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                        ctypes.c_float, ctypes.c_int], ctypes.c_int),
     "kunlun_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int], None),

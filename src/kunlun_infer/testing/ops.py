@@ -2,7 +2,8 @@
 
 ``pack_linear_weight`` and ``linear`` are checked together
 (``linear(x, pack(w), b)`` against the reference ``linear(x, w, b)``), since
-only the provider's own ``linear`` understands its packed weights. For ops
+only the provider's own ``linear`` understands its packed weights; so are
+``pack_int8_linear_weight`` and ``int8_linear``. For ops
 that mutate an argument (``store_kv``) the mutated argument is compared.
 """
 
@@ -15,6 +16,11 @@ import torch
 
 from kunlun_infer.ops import OP_SPECS, TOLERANCES, reference
 from kunlun_infer.testing.compare import ConformanceError, assert_matches, tolerance
+
+
+#: op -> (the op that packs a weight, the op that multiplies with it): checked together, as the pair
+_PACKED_PAIRS = {op: pair for pair in (("pack_linear_weight", "linear"), ("pack_int8_linear_weight", "int8_linear"))
+                 for op in pair}
 
 
 def _clone(value: Any) -> Any:
@@ -31,17 +37,19 @@ def check_op(provider: Any, op: str, dtype: torch.dtype, device: torch.device, *
     rtol, atol = tolerance(dtype)
     what = f"op '{op}' ({dtype}, tolerance rtol={rtol} atol={atol})"
     args, kwargs = spec.sample(dtype, device, torch.Generator().manual_seed(seed))
-    if op in ("linear", "pack_linear_weight"):
-        if op == "pack_linear_weight":  # checked through linear, with the sample inputs of linear
-            args, kwargs = OP_SPECS["linear"].sample(dtype, device, torch.Generator().manual_seed(seed))
-            if not provider.supports("linear"):
-                raise ConformanceError(f"{what}: the provider packs weights but has no 'linear' to use them")
+    if op in _PACKED_PAIRS:
+        pack_op, use_op = _PACKED_PAIRS[op]
+        if op == pack_op:  # checked through the op that uses the packed weight, with that op's sample inputs
+            args, kwargs = OP_SPECS[use_op].sample(dtype, device, torch.Generator().manual_seed(seed))
+            if not provider.supports(use_op):
+                raise ConformanceError(f"{what}: the provider packs weights but has no '{use_op}' to use them")
         x, weight, bias = args
-        pack = provider.get("pack_linear_weight") if provider.supports("pack_linear_weight") else None
-        packed = pack(weight.clone()) if pack is not None else weight.clone()
-        linear = provider.get("linear")
-        got = linear(x.clone(), packed, bias.clone())
-        assert_matches(got, reference.linear(x, weight, bias), what=f"{what} via linear(x, pack(w), b)", dtype=dtype)
+        pack = provider.get(pack_op) if provider.supports(pack_op) else getattr(reference, pack_op)
+        weight_parts = weight if isinstance(weight, tuple) else (weight,)
+        packed = pack(*_clone(weight_parts))
+        got = provider.get(use_op)(x.clone(), packed, bias.clone())
+        want = getattr(reference, use_op)(x, getattr(reference, pack_op)(*weight_parts), bias)
+        assert_matches(got, want, what=f"{what} via {use_op}(x, pack(w), b)", dtype=dtype)
         return
     mine_args, ref_args = _clone(args), _clone(args)
     got = provider.get(op)(*mine_args, **_clone(kwargs))

@@ -29,13 +29,14 @@ from kunlun_infer.engine.model_runner import ModelRunner
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.startup import (choose_dtype, choose_max_model_len, estimate_activation_bytes,
                                          measure_activation_bytes, model_dir)
+from kunlun_infer.layers.quantization import Quantization, estimate_weight_bytes
 from kunlun_infer.models import load_model, load_model_config, model_class, resolve_dtype
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
 from kunlun_infer.ops.reference_attention import ReferenceAttentionBackend
 from kunlun_infer.runtime import PluginManager, Runtime
 from kunlun_infer.runtime.attention import plugin_attention_backend
 from kunlun_infer.runtime.guard import guarded_call
-from kunlun_infer.tools.model_shapes import ModelShapes, model_shapes
+from kunlun_infer.tools.model_shapes import ModelShapes, meta_model, model_shapes
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -58,6 +59,8 @@ class MemoryPlan:
     layout: KVLayout
     budget: KVBudget
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: ``model.quantization`` when the weights are quantized (``None``: full precision)
+    quantization: str | None = None
 
     @property
     def bytes_per_param(self) -> int:
@@ -93,6 +96,7 @@ class MemoryPlan:
             "num_blocks": b.num_blocks, "kv_tokens": b.num_blocks * self.layout.block_size,
             "max_model_len": b.max_model_len, "max_num_seqs": b.max_num_seqs,
             "max_concurrency": b.max_concurrency, "fits": self.fits, "notes": list(self.notes),
+            "quantization": self.quantization,
         }
 
 
@@ -153,14 +157,18 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Run
     spec = model_class(arch).attention_spec(arch, dtype=dtype, tp_size=tp)
     backend = plan_attention_backend(cfg, spec, runtime=runtime, plugin_manager=plugin_manager)
     layout = KVLayout(shapes.num_layers, block_size, backend)
+    quantization = Quantization.from_config(cfg.model)
     weight_bytes = shapes.params_per_rank * torch.empty((), dtype=dtype).element_size()
+    if quantization is not None:  # int8 weights: counted module by module on the model's shapes
+        weight_bytes = estimate_weight_bytes(meta_model(arch, tensor_size=tp, max_model_len=1),
+                                             torch.empty((), dtype=dtype).element_size(), quantization)
     warm_tokens = _warm_up_tokens(cfg, max_model_len)
     activations = estimate_activation_bytes(arch, dtype, warm_tokens, max_num_seqs)
     weight_source, activation_source = "config", "estimated"
     can_measure = measure and runtime is not None and device_memory is None and tp == 1 and _has_weights(folder)
     if can_measure:
         weight_bytes, activations = _measure(runtime, folder, arch, dtype, block_size, max_model_len,
-                                             warm_tokens, max_num_seqs)
+                                             warm_tokens, max_num_seqs, quantization)
         weight_source, activation_source = "loaded", "measured"
     elif measure and runtime is not None and device_memory is None:
         notes.append("activation peak estimated: " + ("the folder has no weights" if tp == 1 else
@@ -181,13 +189,14 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Run
                       device=str(cfg.device.name) if device_memory is None else "given", 
                       device_memory_source=memory_source, weight_bytes=weight_bytes, weight_source=weight_source,
                       activation_source=activation_source, warm_up_tokens=warm_tokens, comm=str(cfg.comm.name),
-                      layout=layout, budget=budget, notes=notes)
+                      layout=layout, budget=budget, notes=notes,
+                      quantization=None if quantization is None else quantization.method)
 
 
 def _measure(runtime: Runtime, folder: Path, arch: Any, dtype: torch.dtype, block_size: int, max_model_len: int,
-             warm_tokens: int, max_num_seqs: int) -> tuple[int, int]:
+             warm_tokens: int, max_num_seqs: int, quantization: Quantization | None = None) -> tuple[int, int]:
     """Load the model and run the engine's warm-up: ``(weight bytes, activation peak)``; frees it all."""
-    model = load_model(folder, runtime=runtime, dtype=dtype, max_model_len=max_model_len)
+    model = load_model(folder, runtime=runtime, dtype=dtype, max_model_len=max_model_len, quantization=quantization)
     try:
         device = runtime.device.torch_device
         runner = ModelRunner(model, device=device, block_size=block_size, memory=runtime.memory,

@@ -30,6 +30,7 @@ from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine.model_runner import ModelRunner
 from kunlun_infer.engine.parallel.control_plane import ControlPlane, Kind, exchange_status, exchange_step_failures
 from kunlun_infer.engine.parallel.placement import Place, resolve_parallel_config, torchrun_place
+from kunlun_infer.layers.quantization import Quantization
 from kunlun_infer.models import load_model
 from kunlun_infer.runtime import Runtime
 
@@ -73,8 +74,10 @@ class Worker:
         free_before = self.runtime.device.mem_get_info()[0]
         try:
             dtype = DTYPES[spec["dtype"]]
+            quantization = spec.get("quantization")
             model = load_model(spec["model_path"], runtime=self.runtime, dtype=dtype, tp_rank=self.rank,
-                               tp_size=self.runtime.comm.world_size, max_model_len=spec["max_model_len"])
+                               tp_size=self.runtime.comm.world_size, max_model_len=spec["max_model_len"],
+                               quantization=None if quantization is None else Quantization(**quantization))
             self.runner = ModelRunner(model, device=self.runtime.device.torch_device,
                                       block_size=spec["block_size"], sampler=None, memory=self.runtime.memory)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it

@@ -119,15 +119,16 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
                 acc1[p][r] = vf_fma(xr, w1, acc1[p][r]);
             }
         }
-    for (; q < k; q++) {
-        vf w0, w1;
-        weight_pair(w, wkind, q, &w0, &w1);
-        UNROLL for (int r = 0; r < rows; r++) {
-            const vf xr = vf_set1(a[q * MR + r]);
-            acc0[0][r] = vf_fma(xr, w0, acc0[0][r]);
-            acc1[0][r] = vf_fma(xr, w1, acc1[0][r]);
+    if (phases > 1)  /* the reductions left over by the turns */
+        for (; q < k; q++) {
+            vf w0, w1;
+            weight_pair(w, wkind, q, &w0, &w1);
+            UNROLL for (int r = 0; r < rows; r++) {
+                const vf xr = vf_set1(a[q * MR + r]);
+                acc0[0][r] = vf_fma(xr, w0, acc0[0][r]);
+                acc1[0][r] = vf_fma(xr, w1, acc1[0][r]);
+            }
         }
-    }
     const vf b0 = bias ? vf_load_n(bias, 0, cols, 0) : vf_zero();
     const vf b1 = bias ? vf_load_n(bias, VLEN, cols - VLEN, 0) : vf_zero();
     UNROLL for (int r = 0; r < rows; r++) {

@@ -1,0 +1,245 @@
+/*
+ * int8 GEMM for every kernel set: Y[M, N] = (X quantized per row) @ (W int8, one scale per output)^T (+ bias).
+ *
+ * Built by cpu_native.py, called by cpu_gemm.py; the meaning is ops.reference.int8_linear. Each row of X
+ * is quantized at run time, symmetric, scale = max|x| / 127, q = round(x / scale) (half to even), the
+ * integer products are summed exactly in int32, and the sum is scaled by both scales in float32.
+ *
+ * W is packed once into tiles of NR = 2 * VLEN outputs with the reduction in groups of four,
+ * [ceil(N / NR)][ceil(K / 4)][NR][4] int8, followed by the scales (float32) and, for the unsigned x signed
+ * dot products, 128 * sum_k W[n, k] (int32), both padded to the tiles. One 32-bit lane of a weight vector
+ * is four reductions of one output, which is what the dot-product instructions take:
+ *   - AVX512-VNNI / AVX-VNNI: VPDPBUSD, with x offset by 128 into unsigned bytes (the offset's
+ *     contribution, 128 * sum_k W, is subtracted at the end);
+ *   - AVX2: |x| times W with x's sign (VPSIGNB), pairs summed to int16 by VPMADDUBSW (at most
+ *     2 * 127 * 127, no saturation), then to int32 by VPMADDWD.
+ * Rows of X are quantized MC at a time into blocks of MR rows, [K / 4][MR] 32-bit groups; the
+ * micro-kernel holds an MR x NR block of sums in registers over all of K, as in gemm.c.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+#define NR (2 * VLEN)
+#if VLEN == 16
+#define MR 12
+#define VNNI 1
+typedef __m512i vi;
+INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
+INLINE vi vi_load(const int8_t *p) { return _mm512_loadu_si512(p); }
+INLINE vi vi_set1(uint32_t x) { return _mm512_set1_epi32((int)x); }
+INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+INLINE vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+INLINE vi vi_loadu32(const int32_t *p) { return _mm512_loadu_si512(p); }
+INLINE vf vi_to_vf(vi a) { return _mm512_cvtepi32_ps(a); }
+/* VPDPBUSD through asm: GCC's builtin copies every accumulator through a spare register around it */
+INLINE vi dot4(vi acc, vi x, vi w) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+    return acc;
+}
+#else
+#if defined(__AVXVNNI__)
+#define MR 6
+#define VNNI 1
+#else
+#define MR 4
+#define VNNI 0
+#endif
+typedef __m256i vi;
+INLINE vi vi_zero(void) { return _mm256_setzero_si256(); }
+INLINE vi vi_load(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE vi vi_set1(uint32_t x) { return _mm256_set1_epi32((int)x); }
+INLINE vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+INLINE vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+INLINE vi vi_loadu32(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE vf vi_to_vf(vi a) { return _mm256_cvtepi32_ps(a); }
+#if VNNI
+INLINE vi dot4(vi acc, vi x, vi w) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(x), "x"(w));
+    return acc;
+}
+#else
+/* x: four signed bytes per lane (|x| <= 127); w: signed bytes */
+INLINE vi dot4(vi acc, vi x, vi w) {
+    const vi pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+#endif
+#define MC (8 * MR)
+/* how quantized x is stored: offset to unsigned for VPDPBUSD, signed for the AVX2 sign trick */
+#define X_OFFSET (VNNI ? 128 : 0)
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+int64_t kunlun_int8_tile_n(void) { return NR; }
+
+/* Bytes of a packed [N, K] int8 weight: the tiles, then scales and offset sums padded to the tiles. */
+int64_t kunlun_int8_packed_bytes(int64_t n, int64_t k) {
+    const int64_t tiles = (n + NR - 1) / NR, groups = (k + 3) / 4;
+    return tiles * NR * (groups * 4 + (int64_t)sizeof(float) + (int64_t)sizeof(int32_t));
+}
+
+/* Pack W [N, K] int8 (|w| <= 127) and its scales [N] float32 into P (kunlun_int8_packed_bytes(n, k) bytes). */
+void kunlun_pack_int8(const int8_t *w, const float *scale, int8_t *p, int64_t n, int64_t k) {
+    const int64_t tiles = (n + NR - 1) / NR, groups = (k + 3) / 4;
+    float *scales = (float *)(p + tiles * NR * groups * 4);
+    int32_t *offsets = (int32_t *)(scales + tiles * NR);
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t j = 0; j < NR; j++) {
+            const int64_t row = t * NR + j;
+            int32_t sum = 0;
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t b = 0; b < 4; b++) {
+                    const int64_t col = g * 4 + b;
+                    const int8_t v = row < n && col < k ? w[row * k + col] : 0;
+                    p[((t * groups + g) * NR + j) * 4 + b] = v;
+                    sum += v;
+                }
+            scales[row] = row < n ? scale[row] : 0.0f;
+            offsets[row] = X_OFFSET * sum;
+        }
+    }
+}
+
+/* Quantize rows [0, rows) of X (bf16 or float32) into blocks of `per_block` rows, [K / 4][MR] groups of four
+ * bytes; the rows' scales into sx. */
+static void quantize_rows(const void *x, const int xbf16, int64_t rows, int64_t k, int64_t per_block,
+                          uint32_t *dst, float *sx) {
+    const int64_t groups = (k + 3) / 4;
+    #pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t b = row / per_block, r = row % per_block;
+        uint8_t *block = (uint8_t *)(dst + b * groups * MR);
+        vf top = vf_zero();
+        for (int64_t i = 0; i < k; i += VLEN) {
+            const vf v = vf_load_n(x, row * k + i, k - i, xbf16);
+            top = vf_max(top, vf_max(v, vf_sub(vf_zero(), v)));
+        }
+        const float amax = vf_hmax(top), scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+        sx[row] = scale;
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t j = 0; j < 4; j++) {
+                const int64_t col = g * 4 + j;
+                float q = 0.0f;
+                if (col < k) {
+                    const float v = xbf16 ? float_from_bf16(((const uint16_t *)x)[row * k + col])
+                                          : ((const float *)x)[row * k + col];
+                    q = nearbyintf(v / scale);
+                    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                }
+                block[(g * MR + r) * 4 + j] = (uint8_t)(int8_t)((int)q + X_OFFSET);
+            }
+    }
+}
+
+INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, const float *sx, const float *sw,
+                         const int32_t *offsets, const float *bias, void *y, int64_t ldy, int64_t cols,
+                         const int ybf16, const int rows, const int phases) {
+    vi acc0[4][MR], acc1[4][MR];
+    UNROLL for (int p = 0; p < phases; p++)
+        UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vi_zero();
+    int64_t g = 0;
+    for (; g + phases <= groups; g += phases)
+        UNROLL for (int p = 0; p < phases; p++) {
+            const vi w0 = vi_load(w + (g + p) * NR * 4), w1 = vi_load(w + (g + p) * NR * 4 + VLEN * 4);
+            UNROLL for (int r = 0; r < rows; r++) {
+                const vi xr = vi_set1(a[(g + p) * MR + r]);
+                acc0[p][r] = dot4(acc0[p][r], xr, w0);
+                acc1[p][r] = dot4(acc1[p][r], xr, w1);
+            }
+        }
+    if (phases > 1)  /* the reductions left over by the turns */
+        for (; g < groups; g++) {
+            const vi w0 = vi_load(w + g * NR * 4), w1 = vi_load(w + g * NR * 4 + VLEN * 4);
+            UNROLL for (int r = 0; r < rows; r++) {
+                const vi xr = vi_set1(a[g * MR + r]);
+                acc0[0][r] = dot4(acc0[0][r], xr, w0);
+                acc1[0][r] = dot4(acc1[0][r], xr, w1);
+            }
+        }
+    const vi off0 = vi_loadu32(offsets), off1 = vi_loadu32(offsets + VLEN);
+    const vf sw0 = vf_loadu(sw), sw1 = vf_loadu(sw + VLEN);
+    UNROLL for (int r = 0; r < rows; r++) {
+        vi s0 = acc0[0][r], s1 = acc1[0][r];
+        UNROLL for (int p = 1; p < phases; p++) {
+            s0 = vi_add(s0, acc0[p][r]);
+            s1 = vi_add(s1, acc1[p][r]);
+        }
+        const vf xs = vf_set1(sx[r]);
+        /* (sum * (sx * sw)) + bias, rounded step by step as the reference computes it */
+        vf out0 = vf_mul(vi_to_vf(vi_sub(s0, off0)), vf_mul(xs, sw0));
+        vf out1 = vf_mul(vi_to_vf(vi_sub(s1, off1)), vf_mul(xs, sw1));
+        if (bias) {
+            out0 = vf_add(out0, vf_load_n(bias, 0, cols, 0));
+            out1 = vf_add(out1, vf_load_n(bias, VLEN, cols - VLEN, 0));
+        }
+        vf_store_n(y, r * ldy, out0, cols, ybf16);
+        if (cols > VLEN) vf_store_n(y, r * ldy + VLEN, out1, cols - VLEN, ybf16);
+    }
+}
+
+/* accumulator sets for a block of R rows: enough dot products in flight to cover their latency */
+#define PHASES(R) (!VNNI ? 1 : (R) == 1 ? 4 : (R) <= 3 ? 2 : 1)
+#define ROWS_CASE(R) \
+    case R: micro_kernel(a, w, groups, sx, sw, offsets, b, yt, n, cols, ybf16, R, PHASES(R)); break;
+
+INLINE void block_of_rows(const uint32_t *a, const int8_t *w, int64_t groups, const float *sx, const float *sw,
+                          const int32_t *offsets, const float *b, void *yt, int64_t n, int64_t cols,
+                          const int ybf16, int64_t rows) {
+    switch (rows) {
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+#if MR > 4
+        ROWS_CASE(5) ROWS_CASE(6)
+#endif
+#if MR > 6
+        ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
+#endif
+    }
+}
+
+INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const float *bias, void *y, int64_t m,
+                     int64_t n, int64_t k) {
+    const int64_t tiles = (n + NR - 1) / NR, groups = (k + 3) / 4;
+    const float *scales = (const float *)(p + tiles * NR * groups * 4);
+    const int32_t *offsets = (const int32_t *)(scales + tiles * NR);
+    const int64_t rows_max = m < MC ? (m + MR - 1) / MR * MR : MC;
+    uint32_t *packed = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)rows_max * (size_t)groups);
+    float *sx = (float *)malloc(sizeof(float) * (size_t)rows_max);
+    if (packed == NULL || sx == NULL) {
+        free(packed);
+        free(sx);
+        return -1;
+    }
+    #pragma omp parallel if (m * n * k >= 32768)
+    for (int64_t m0 = 0; m0 < m; m0 += MC) {
+        const int64_t mc = m - m0 < MC ? m - m0 : MC;
+        const int64_t blocks = (mc + MR - 1) / MR, per_block = (mc + blocks - 1) / blocks;
+        quantize_rows((const char *)x + m0 * k * (xbf16 ? 2 : 4), xbf16, mc, k, per_block, packed, sx);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int8_t *w = p + t * groups * NR * 4;
+            const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
+            const float *b = bias ? bias + col : NULL;
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const int64_t r0 = blk * per_block, rows = mc - r0 < per_block ? mc - r0 : per_block;
+                void *yt = (char *)y + ((m0 + r0) * n + col) * (xbf16 ? 2 : 4);
+                block_of_rows(packed + blk * groups * MR, w, groups, sx + r0, scales + col, offsets + col, b, yt, n,
+                              cols, xbf16, rows);
+            }
+        }
+    }
+    free(packed);
+    free(sx);
+    return 0;
+}
+
+/* Y [M, N] = int8 product of X [M, K] (bf16 if xbf16, else float32; Y the same) and W packed by
+ * kunlun_pack_int8, plus bias (float32 [N] or NULL). Returns -1 (nothing written) without memory, else 0. */
+int kunlun_gemm_int8(const int8_t *p, const void *x, const float *bias, void *y, int64_t m, int64_t n, int64_t k,
+                     int xbf16) {
+    return xbf16 ? gemm_int8(p, x, 1, bias, y, m, n, k) : gemm_int8(p, x, 0, bias, y, m, n, k);
+}
