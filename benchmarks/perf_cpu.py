@@ -1,32 +1,36 @@
-"""CPU performance of kunlun_infer against transformers' ``generate``, and against the machine itself.
+"""CPU performance of kunlun_infer, per kernel set and weight dtype, against transformers and the machine itself.
 
-One command measures, in one run, on the same random-weight models and the
-same requests:
+One command measures, in one run, on the same random-weight Qwen2-shaped
+~0.5B model (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
+vocab 151936, tied embeddings) and the same token-id requests:
 
-- Workload A: a Qwen2-shaped model of ~0.5B parameters (hidden 896, 24
-  layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied
-  embeddings) in bfloat16; 32 requests, prompt lengths uniform in [32, 256],
-  output lengths uniform in [32, 128], seed 0, EOS ignored, greedy.
-- Workload B: the same shape family at ~11M parameters (hidden 256, 4 layers,
-  8 heads, 2 KV heads, intermediate 768, vocab 32000): the regime where the
-  per-step overhead shows.
+- for each kernel set (``--isa``: ``native`` = what this CPU chooses, ``avx2``
+  = what an AVX2-only CPU gets; each in its own process, with torch and
+  oneDNN capped the same way, so transformers also runs as it would there)
+  and each weight dtype (``--dtypes``: bfloat16, float32, int8 = bf16
+  activations with ``model.quantization=int8``):
+  batch-1 decode ms/token (fresh 64-token prompts, no prefix cache helps),
+  prefill tokens/s of one 256-token prompt, the decode step at batch 8
+  against batch 1, and the useful output tokens/s of 8 and 32 requests
+  (prompts of 32–256 tokens, outputs of 32–128, greedy, EOS ignored);
+- transformers' ``generate`` in bf16 and float32: batch-1 decode and the 8
+  requests as one static left-padded batch (credited only with useful tokens);
+- the machine, at the start and at the end (the better counts: a neighbour's
+  job can only slow a measurement down): the fp32 FMA peak of the kernel
+  set's vector width (the native probe), torch's fp32 matmul, memory read
+  bandwidth — and from them the tokens/s the fp32 peak allows for each
+  workload and the weight-streaming time of a batch-1 step;
+- int8 accuracy: the default model's validation loss and the workload
+  model's per-token log-probabilities, int8 against unquantized.
 
-For each workload kunlun_infer serves every request with continuous batching
-and transformers gets one static left-padded batch with ``max_new_tokens`` =
-the longest output; both are credited only with the useful tokens (each
-request's own output length); each gets the same number of timed runs and
-the fastest counts (prefix caching is off, so a repeat recomputes its
-prompts). The machine's bf16 matmul throughput (the best of ``F.linear``,
-oneDNN and kunlun_infer's own GEMM on large GEMMs) and memory read bandwidth
-are measured at the start and at the end of the run, and the better figure
-is the machine's. The engine's decode step at batch 32 on A is reported as a
-fraction of that matmul roofline, and its per-token latency at batch 1
-against the weight-streaming bound (bytes of the weights one decode step
-reads / bandwidth). Prints one table and writes JSON::
+Every figure is printed and stored (``benchmarks/results/perf_cpu.json``)
+beside the CPU model, its ISA flags, the threads and the kernel set. On a
+shared machine the absolute figures are noisy: read the ratios (against
+transformers and the machine, measured in the same process) first::
 
-    python benchmarks/perf_cpu.py                 # the full benchmark (several minutes on 2 cores)
-    python benchmarks/perf_cpu.py --quick         # fewer requests, for iterating
-    python benchmarks/perf_cpu.py --workloads B --no-transformers ops=torch
+    python benchmarks/perf_cpu.py                        # everything (long: tens of minutes on 2 cores)
+    python benchmarks/perf_cpu.py --quick --isa avx2     # fewer tokens, one kernel set
+    python benchmarks/perf_cpu.py --dtypes int8 --no-transformers
 
 Trailing arguments are kunlun_infer Hydra overrides (e.g. ``ops=torch``).
 """
@@ -39,6 +43,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +54,18 @@ import torch
 import torch.nn.functional as F
 
 RESULTS = Path(__file__).resolve().parent / "results" / "perf_cpu.json"
+#: the flags worth printing beside a figure (what decides the kernels)
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "amx_bf16", "amx_int8")
+#: ``--isa`` cap -> environment making torch and oneDNN run as on such a CPU too
+TORCH_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+              "avx2-vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
+                            "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+              "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "native": {}}
+#: the issue's targets, checked for every kernel set
+TARGETS = {"req8_bf16_of_fp32_bound": 0.80, "req8_bf16_vs_transformers": 3.0, "prefill_256_tok_s": 150.0,
+           "decode_b8_over_b1": 2.0, "fp32_b1_over_streaming": 1.2, "int8_loss_increase": 0.02,
+           "req32_of_fp32_bound": 0.80}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,20 +91,14 @@ class Shape:
         """Parameters one decode step multiplies with: every linear weight and the (tied) LM head."""
         return self.layers * self.linear_params_per_layer() + self.vocab * self.hidden
 
-    def decode_flops(self, context: int) -> float:
-        """FLOPs of one decoded token with ``context`` tokens of context (matmuls and attention)."""
-        attention = self.layers * 4 * context * self.heads * self.head_dim
-        return 2.0 * self.streamed_params() + attention
+    def token_flops(self, context: int) -> float:
+        """FLOPs of one token with ``context`` tokens before it (matmuls and attention)."""
+        return 2.0 * self.streamed_params() + self.layers * 4 * context * self.heads * self.head_dim
 
 
-WORKLOADS = {
-    "A": Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936),
-    "B": Shape(hidden=256, layers=4, heads=8, kv_heads=2, intermediate=768, vocab=32000),
-}
-#: timed runs per workload (the fastest counts, for both engines): the machine is shared, a neighbour's job
-#: can only slow a run down; B's run takes well under a second
-REPEATS = {"A": 2, "B": 3}
-TARGETS = {"A_speedup": 2.0, "B_speedup": 2.0, "decode_b32_roofline_fraction": 0.60, "batch1_ms_per_token": 45.0}
+SHAPES = {"0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936),
+          "small": Shape(hidden=256, layers=4, heads=8, kv_heads=2, intermediate=768, vocab=32000)}
+DTYPES = {"bfloat16": ("bfloat16", None), "float32": ("float32", None), "int8": ("bfloat16", "int8")}
 
 
 # ---------------------------------------------------------------------- models and requests
@@ -118,6 +130,13 @@ class Requests:
     def useful_tokens(self) -> int:
         return sum(self.output_lens)
 
+    def flops(self, shape: Shape) -> float:
+        """FLOPs to serve them all: every prompt token and every generated token but the last."""
+        total = 0.0
+        for prompt, out in zip(self.prompts, self.output_lens):
+            total += sum(shape.token_flops(c) for c in range(len(prompt) + out - 1))
+        return total
+
 
 def make_requests(num: int, vocab: int, seed: int, prompt_range=(32, 256), output_range=(32, 128)) -> Requests:
     g = torch.Generator().manual_seed(seed)
@@ -127,118 +146,84 @@ def make_requests(num: int, vocab: int, seed: int, prompt_range=(32, 256), outpu
     return Requests(prompts, output_lens)
 
 
-# ---------------------------------------------------------------------- the two engines
-
-def open_engine(folder: Path, overrides: list[str], max_num_seqs: int, num_blocks: int) -> Any:
-    import kunlun_infer as ki
-
-    # no prefix caching: a repeated run must compute its prompts again, as transformers does
-    return ki.LLM(model=str(folder), overrides=[
-        "model.dtype=bfloat16", f"scheduler.max_num_seqs={max_num_seqs}", f"cache.num_blocks={num_blocks}",
-        "cache.prefix_caching=false", *overrides])
-
-
-def run_kunlun(llm: Any, requests: Requests, repeats: int = 1) -> dict[str, float]:
-    """Serve every request at once (continuous batching); the fastest of ``repeats`` runs."""
-    import kunlun_infer as ki
-
-    params = [ki.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in requests.output_lens]
-    llm.generate(requests.prompts[:2], ki.SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = llm.generate(requests.prompts, params, use_tqdm=False)
-        runs.append(time.perf_counter() - start)
-        produced = [len(o.token_ids) for o in outputs]
-        assert produced == requests.output_lens, "every request must produce exactly its output length"
-    return {"seconds": min(runs), "all_seconds": runs, "useful_tokens": requests.useful_tokens,
-            "tokens_per_s": requests.useful_tokens / min(runs)}
-
-
-def run_transformers(folder: Path, requests: Requests, repeats: int = 1) -> dict[str, float]:
-    """One static left-padded batch, ``max_new_tokens`` = the longest output; the fastest of ``repeats``."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    pad = 0
-    width = max(len(p) for p in requests.prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in requests.prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in requests.prompts])
-    longest = max(requests.output_lens)
-    kwargs = dict(do_sample=False, pad_token_id=pad, eos_token_id=None)
-    runs = []
-    with torch.inference_mode():
-        model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4, **kwargs)  # warm
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                                 **kwargs)
-            runs.append(time.perf_counter() - start)
-            assert out.shape[1] - width == longest
-    del model
-    return {"seconds": min(runs), "all_seconds": runs, "useful_tokens": requests.useful_tokens,
-            "tokens_per_s": requests.useful_tokens / min(runs)}
-
-
 # ---------------------------------------------------------------------- the machine
 
-def _best_time(fn, repeats: int, inner: int = 1) -> float:
+def _best_time(fn, repeats: int) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - start) / inner)
+        fn()
+        best = min(best, time.perf_counter() - start)
     return best
 
 
-def measure_matmul_roofline() -> dict[str, Any]:
-    """Best bf16 matmul throughput (FLOP/s) over large model-like GEMMs: ``F.linear``, oneDNN with a
-    prepacked weight, and kunlun_infer's own bf16 GEMM where this machine builds it — whichever is fastest."""
-    try:
-        from kunlun_infer.plugins import cpu_gemm
-    except ImportError:  # an older kunlun_infer without it
-        cpu_gemm = None
-    results = {}
-    for m, n, k in ((512, 4864, 896), (1024, 2048, 2048)):
-        x = torch.randn(m, k).to(torch.bfloat16)
-        w = torch.randn(n, k).to(torch.bfloat16)
-        flops = 2.0 * m * n * k
-        results[f"F.linear {m}x{n}x{k}"] = flops / _best_time(lambda: F.linear(x, w), 10)
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-            run = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
-            results[f"oneDNN {m}x{n}x{k}"] = flops / _best_time(run, 10)
-        except (AttributeError, RuntimeError):
-            pass
-        if cpu_gemm is not None and cpu_gemm.available():
-            tiled = cpu_gemm.pack(w)
-            results[f"kunlun bf16 GEMM {m}x{n}x{k}"] = flops / _best_time(lambda: cpu_gemm.linear(x, tiled), 10)
-    best = max(results, key=results.get)
-    return {"flops_per_s": results[best], "best": best, "all": results}
+def machine_facts() -> dict[str, Any]:
+    from kunlun_infer.plugins import cpu_device, cpu_native
+
+    info = cpu_device._cpuinfo()
+    flags = cpu_device.cpu_flags()
+    chosen = cpu_native.selection()
+    return {"cpu_model": info.get("model name") or platform.processor() or platform.machine(),
+            "isa_flags": [f for f in ISA_FLAGS if f in flags], "threads": torch.get_num_threads(),
+            "kernel_set": chosen.name, "kernel_set_why": chosen.reason, "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa_cap": os.environ.get(cpu_device.ISA_ENV, "native")}
 
 
-def measure_machine() -> dict[str, Any]:
-    roofline = measure_matmul_roofline()
-    return {"matmul_flops_per_s": roofline["flops_per_s"], "matmul_best": roofline["best"],
-            "matmul_all": roofline["all"], "read_bytes_per_s": measure_read_bandwidth()}
+def measure_machine() -> dict[str, float]:
+    """fp32 FMA peak (the native probe at the kernel set's vector width), torch's fp32 matmul, read bandwidth."""
+    from kunlun_infer.plugins import cpu_native
+
+    out: dict[str, float] = {}
+    lib = cpu_native.library()
+    if lib is not None:
+        iterations = 20_000_000
+        lib.kunlun_fma_probe(iterations // 10)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            flops = lib.kunlun_fma_probe(iterations)
+            best = min(best, time.perf_counter() - start)
+        out["fma_peak_flops"] = flops / best
+    x, w = torch.randn(512, 2048), torch.randn(4096, 2048)
+    out["torch_fp32_matmul_flops"] = 2.0 * 512 * 4096 * 2048 / _best_time(lambda: F.linear(x, w), 5)
+    buf = torch.ones(256 * 1024 * 1024 // 4, dtype=torch.float32)
+    out["read_bytes_per_s"] = buf.numel() * 4 / _best_time(lambda: buf.sum(), 10)
+    return out
 
 
-def measure_read_bandwidth() -> float:
-    """Memory read bandwidth (bytes/s): the best of a few sums over a buffer far larger than the caches."""
-    buf = torch.ones(256 * 1024 * 1024 // 4, dtype=torch.float32)  # 256 MiB
-    return buf.numel() * 4 / _best_time(lambda: buf.sum(), 16)
+# ---------------------------------------------------------------------- kunlun_infer
+
+def open_engine(folder: Path, dtype: str, overrides: list[str], max_num_seqs: int = 32) -> Any:
+    import kunlun_infer as ki
+
+    model_dtype, quantization = DTYPES[dtype]
+    extra = [f"model.quantization={quantization}"] if quantization else []
+    # no prefix caching: a repeated run computes its prompts again, as transformers does
+    return ki.LLM(model=str(folder), overrides=[
+        f"model.dtype={model_dtype}", f"scheduler.max_num_seqs={max_num_seqs}", "cache.num_blocks=1200",
+        "cache.prefix_caching=false", "model.max_model_len=1024", *extra, *overrides])
 
 
-# ---------------------------------------------------------------------- engine-level probes
+def serve(llm: Any, requests: Requests) -> dict[str, float]:
+    """Every request at once (continuous batching): useful output tokens per second."""
+    import kunlun_infer as ki
 
-def decode_step_times(llm: Any, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> list[float]:
-    """Seconds of each pure-decode step with ``batch`` sequences (prefill steps left out)."""
+    params = [ki.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in requests.output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(requests.prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert [len(o.token_ids) for o in outputs] == requests.output_lens
+    return {"seconds": seconds, "useful_tokens": requests.useful_tokens, "tokens_per_s": requests.useful_tokens / seconds}
+
+
+def decode_steps(llm: Any, batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int) -> float:
+    """Median seconds of a pure-decode step with ``batch`` fresh sequences (prefill steps left out)."""
     import kunlun_infer as ki
 
     engine = llm.engine
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     params = ki.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
@@ -251,134 +236,327 @@ def decode_step_times(llm: Any, batch: int, prompt_len: int, new_tokens: int, vo
         engine.step()
         if not prefilling and running == batch:
             times.append(time.perf_counter() - start)
-    return times
+    return statistics.median(times)
 
 
-def probe_decode(llm: Any, shape: Shape, batch: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
-    times = decode_step_times(llm, batch, prompt_len, new_tokens, shape.vocab)
-    step = statistics.median(times)
-    context = prompt_len + new_tokens // 2
-    return {"batch": batch, "steps_timed": len(times), "median_step_s": step,
-            "ms_per_token": 1e3 * step / batch if batch == 1 else None,
-            "flops_per_s": batch * shape.decode_flops(context) / step, "tokens_per_s": batch / step}
+def prefill_rate(llm: Any, length: int, vocab: int, repeats: int) -> float:
+    """Prompt tokens per second of one ``length``-token prompt (its prefill step), the best of ``repeats``."""
+    import kunlun_infer as ki
+
+    best = float("inf")
+    for i in range(repeats):
+        prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(100 + i)).tolist()
+        llm.engine.add_request(prompt, ki.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        start = time.perf_counter()
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        best = min(best, time.perf_counter() - start)
+    return length / best
+
+
+def measure_kunlun(folder: Path, shape: Shape, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    import kunlun_infer as ki
+
+    new = 16 if args.quick else 32
+    with open_engine(folder, dtype, args.overrides) as llm:
+        llm.generate([[1, 2, 3, 4]], ki.SamplingParams(max_tokens=2), use_tqdm=False)  # warm: kernels built
+        b1 = decode_steps(llm, 1, 64, new + 1, shape.vocab, seed=1)
+        b8 = decode_steps(llm, 8, 64, new + 1, shape.vocab, seed=2)
+        entry = {"decode_b1_ms_per_token": 1e3 * b1, "decode_b8_step_ms": 1e3 * b8, "decode_b8_over_b1": b8 / b1,
+                 "prefill_256_tok_s": prefill_rate(llm, 256, shape.vocab, repeats=2),
+                 "weight_bytes": llm.engine.runner.model.weight_nbytes()}
+        for num in args.requests:
+            entry[f"req{num}"] = serve(llm, make_requests(num, shape.vocab, args.seed, output_range=args.outputs))
+    return entry
+
+
+# ---------------------------------------------------------------------- transformers
+
+def measure_transformers(folder: Path, shape: Shape, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Batch-1 decode ms/token and the 8 requests as one static left-padded batch (useful tokens only)."""
+    import transformers
+
+    torch_dtype = getattr(torch, dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    new = 16 if args.quick else 32
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, shape.vocab, (1, 64), generator=g)
+    with torch.inference_mode():
+        model.generate(prompt[:, :8], max_new_tokens=2, **kwargs)  # warm
+        one = _best_time(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kwargs), 1)
+        many = _best_time(lambda: model.generate(prompt, max_new_tokens=new + 1, min_new_tokens=new + 1,
+                                                 **kwargs), 1)
+        entry: dict[str, Any] = {"decode_b1_ms_per_token": 1e3 * (many - one) / new}
+        requests = make_requests(8, shape.vocab, args.seed, output_range=args.outputs)
+        width = max(len(p) for p in requests.prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in requests.prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in requests.prompts])
+        longest = max(requests.output_lens)
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, **kwargs)
+        seconds = time.perf_counter() - start
+    entry["req8"] = {"seconds": seconds, "useful_tokens": requests.useful_tokens,
+                     "tokens_per_s": requests.useful_tokens / seconds}
+    return entry
+
+
+# ---------------------------------------------------------------------- int8 accuracy
+
+def default_model_validation_loss(overrides: list[str], windows: int = 8, window: int = 256) -> float:
+    """The default model's loss (from ``prompt_logprobs``) over validation windows the training never saw."""
+    import importlib.util
+    import sysconfig
+
+    import kunlun_infer as ki
+    from kunlun_infer.engine.startup import default_model_dir
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_default_model.py"
+    spec = importlib.util.spec_from_file_location("_kunlun_train_default_model", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    from tokenizers import Tokenizer
+
+    folder = default_model_dir()
+    record = json.loads((folder / "training.json").read_text())
+    _, val_files, _ = module.collect_corpus(Path(sysconfig.get_paths()["stdlib"]),
+                                            record["hyperparameters"]["val_per_10000"])
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    chunks = module.windows(module.encode_files(tokenizer, [t for _, t in val_files], record["eot_id"]), window)
+    chunks = chunks[torch.linspace(0, len(chunks) - 1, windows).long()]
+    with ki.LLM(overrides=overrides) as llm:
+        outs = llm.generate([c.tolist() for c in chunks], ki.SamplingParams(max_tokens=1, prompt_logprobs=0),
+                            use_tqdm=False)
+    scored = [entry[t] for c, o in zip(chunks, outs) for t, entry in zip(c.tolist()[1:], o.prompt_logprobs[1:])]
+    return -sum(scored) / len(scored)
+
+
+def logprob_error(folder: Path, shape: Shape, overrides: list[str]) -> dict[str, float]:
+    """Per-token log-probabilities of 4 prompts (teacher forcing), int8 against unquantized bf16."""
+    import kunlun_infer as ki
+
+    prompts = make_requests(4, shape.vocab, seed=7, prompt_range=(64, 64)).prompts
+    scored = {}
+    for dtype in ("bfloat16", "int8"):
+        with open_engine(folder, dtype, overrides, max_num_seqs=4) as llm:
+            outs = llm.generate(prompts, ki.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        scored[dtype] = torch.tensor([entry[t] for p, o in zip(prompts, outs)
+                                      for t, entry in zip(p[1:], o.prompt_logprobs[1:])])
+    diff = (scored["int8"] - scored["bfloat16"]).abs()
+    return {"mean_abs_logprob_diff": float(diff.mean()), "max_abs_logprob_diff": float(diff.max()),
+            "bf16_mean_logprob": float(scored["bfloat16"].mean())}
+
+
+# ---------------------------------------------------------------------- one kernel set (a child process)
+
+def run_kernel_set(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = SHAPES[args.model]
+    folder = build_model(shape, args.model_dir / args.model)
+    facts = machine_facts()
+    result: dict[str, Any] = {"machine": facts, "load_average_start": os.getloadavg(), "kunlun": {},
+                              "transformers": {}}
+    print(f"[{facts['kernel_set']}] {facts['cpu_model']}, {facts['threads']} threads, ISA "
+          f"{' '.join(facts['isa_flags'])}; kernel set {facts['kernel_set']} ({facts['kernel_set_why']})",
+          flush=True)
+    start = measure_machine()
+    for dtype in args.dtypes:
+        result["kunlun"][dtype] = entry = measure_kunlun(folder, shape, dtype, args)
+        print(f"[{facts['kernel_set']}] kunlun_infer {dtype}: " + ", ".join(
+            f"{k} {v['tokens_per_s']:.1f} tok/s" if isinstance(v, dict) else f"{k} {v:.3g}" for k, v in entry.items()),
+            flush=True)
+    if not args.no_transformers:
+        for dtype in ("bfloat16", "float32"):
+            result["transformers"][dtype] = entry = measure_transformers(folder, shape, dtype, args)
+            print(f"[{facts['kernel_set']}] transformers {dtype}: b1 {entry['decode_b1_ms_per_token']:.1f} ms/token, "
+                  f"8 requests {entry['req8']['tokens_per_s']:.1f} tok/s", flush=True)
+    end = measure_machine()
+    result["machine"]["start"], result["machine"]["end"] = start, end
+    for key in start:
+        result["machine"][key] = max(start[key], end[key])
+    result["load_average_end"] = os.getloadavg()
+    return result
+
+
+def derive(result: dict[str, Any], shape: Shape, args: argparse.Namespace) -> None:
+    """Bounds from the machine: tokens/s the fp32 peak allows per workload, weight-streaming time per step."""
+    machine = result["machine"]
+    peak = machine.get("fma_peak_flops") or machine["torch_fp32_matmul_flops"]
+    for num in args.requests:
+        requests = make_requests(num, shape.vocab, args.seed, output_range=args.outputs)
+        result[f"req{num}_fp32_bound_tok_s"] = requests.useful_tokens / (requests.flops(shape) / peak)
+    for dtype, entry in result["kunlun"].items():
+        entry["streaming_ms"] = 1e3 * entry["weight_bytes"] / machine["read_bytes_per_s"]
+        for num in args.requests:
+            entry[f"req{num}_of_fp32_bound"] = entry[f"req{num}"]["tokens_per_s"] / result[f"req{num}_fp32_bound_tok_s"]
 
 
 # ---------------------------------------------------------------------- report
 
-def table(rows: list[tuple[str, ...]]) -> str:
+def _table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def report(result: dict[str, Any]) -> str:
-    rows = [("metric", "kunlun_infer", "transformers", "ratio / fraction", "target", "met")]
-    for name in ("A", "B"):
-        w = result["workloads"].get(name)
-        if not w:
-            continue
-        ours = w["kunlun"]["tokens_per_s"]
-        theirs = w.get("transformers", {}).get("tokens_per_s")
-        ratio = ours / theirs if theirs else None
-        rows.append((f"{name}: useful tokens/s ({w['num_requests']} req)", f"{ours:.1f}",
-                     f"{theirs:.1f}" if theirs else "-", f"{ratio:.2f}x" if ratio else "-",
-                     f">= {TARGETS[name + '_speedup']:.1f}x", _met(ratio, TARGETS[name + "_speedup"], True)))
-    peak = result["machine"]["matmul_flops_per_s"]
-    d32 = result.get("decode_b32")
-    if d32:
-        frac = d32["flops_per_s"] / peak
-        rows.append(("A: decode b32 GFLOP/s vs matmul roofline", f"{d32['flops_per_s'] / 1e9:.0f}",
-                     f"roofline {peak / 1e9:.0f}", f"{frac:.0%}", f">= {TARGETS['decode_b32_roofline_fraction']:.0%}",
-                     _met(frac, TARGETS["decode_b32_roofline_fraction"], True)))
-    b1 = result.get("decode_b1")
-    if b1:
-        bound = result["weight_streaming_bound_ms"]
-        rows.append(("A: batch-1 ms/token vs weight streaming", f"{b1['ms_per_token']:.1f}",
-                     f"bound {bound:.1f}", f"{b1['ms_per_token'] / bound:.2f}x bound",
-                     f"<= {TARGETS['batch1_ms_per_token']:.0f} ms", _met(b1["ms_per_token"],
-                                                                         TARGETS["batch1_ms_per_token"], False)))
-    return table(rows)
+def _f(value: float | None, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
 
 
-def _met(value: float | None, target: float, higher_is_better: bool) -> str:
-    if value is None:
-        return "-"
-    return "yes" if (value >= target if higher_is_better else value <= target) else "no"
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    m = result["machine"]
+    out = [f"== kernel set {m['kernel_set']} ({m['kernel_set_why']})",
+           f"   {m['cpu_model']}; ISA {' '.join(m['isa_flags'])}; {m['threads']} threads; torch "
+           f"{m['torch']} ({m['torch_cpu_capability']}); load average {result['load_average_start'][0]:.1f} -> "
+           f"{result['load_average_end'][0]:.1f}",
+           f"   machine: fp32 FMA peak {_f(m.get('fma_peak_flops', 0) / 1e9, '.0f')} GFLOP/s, torch fp32 matmul "
+           f"{m['torch_fp32_matmul_flops'] / 1e9:.0f} GFLOP/s, memory read {m['read_bytes_per_s'] / 1e9:.1f} GB/s; "
+           + ", ".join(f"{n} requests: fp32 peak allows {result[f'req{n}_fp32_bound_tok_s']:.1f} tok/s"
+                       for n in args.requests), ""]
+    head = ["engine", "b1 ms/token", "streaming ms", "prefill 256 tok/s", "b8 / b1 step"]
+    head += [f"{n} req tok/s" for n in args.requests] + [f"{n} req of fp32 bound" for n in args.requests]
+    rows = [tuple(head)]
+    for dtype, e in result["kunlun"].items():
+        rows.append((f"kunlun_infer {dtype}", _f(e["decode_b1_ms_per_token"]), _f(e["streaming_ms"]),
+                     _f(e["prefill_256_tok_s"]), _f(e["decode_b8_over_b1"], ".2f"),
+                     *(_f(e[f"req{n}"]["tokens_per_s"]) for n in args.requests),
+                     *(_f(e[f"req{n}_of_fp32_bound"], ".0%") for n in args.requests)))
+    for dtype, e in result["transformers"].items():
+        rows.append((f"transformers {dtype}", _f(e["decode_b1_ms_per_token"]), "-", "-", "-",
+                     *(_f(e["req8"]["tokens_per_s"]) if n == 8 else "-" for n in args.requests),
+                     *("-" for _ in args.requests)))
+    out.append(_table(rows))
+    out += ["", "targets:"] + [f"   {line}" for line in target_lines(result)]
+    return "\n".join(out)
+
+
+def target_lines(result: dict[str, Any]) -> list[str]:
+    k, t = result["kunlun"], result["transformers"]
+    lines = []
+
+    def check(name: str, value: float | None, target: float, higher: bool, fmt: str) -> None:
+        if value is None:
+            return
+        met = value >= target if higher else value <= target
+        lines.append(f"{name}: {format(value, fmt)} ({'>=' if higher else '<='} {format(target, fmt)}) "
+                     f"{'met' if met else 'NOT met'}")
+
+    bf16 = k.get("bfloat16")
+    if bf16 and "req8" in bf16:
+        check("8 requests bf16, of the fp32-peak bound", bf16.get("req8_of_fp32_bound"),
+              TARGETS["req8_bf16_of_fp32_bound"], True, ".0%")
+        best_hf = max((e["req8"]["tokens_per_s"] for e in t.values()), default=None)
+        if best_hf:
+            check("8 requests bf16 vs transformers' best dtype", bf16["req8"]["tokens_per_s"] / best_hf,
+                  TARGETS["req8_bf16_vs_transformers"], True, ".2f")
+    if bf16:
+        check("prefill 256 bf16 tok/s", bf16["prefill_256_tok_s"], TARGETS["prefill_256_tok_s"], True, ".0f")
+        check("decode step b8 / b1 (bf16)", bf16["decode_b8_over_b1"], TARGETS["decode_b8_over_b1"], False, ".2f")
+    fp32 = k.get("float32")
+    if fp32:
+        check("fp32 b1 decode / weight streaming", fp32["decode_b1_ms_per_token"] / fp32["streaming_ms"],
+              TARGETS["fp32_b1_over_streaming"], False, ".2f")
+    best32 = max((e.get("req32_of_fp32_bound", 0) for e in k.values()), default=0)
+    if best32:
+        check("32 requests, best dtype, of the fp32-peak bound", best32, TARGETS["req32_of_fp32_bound"], True, ".0%")
+    return lines
+
+
+def accuracy_report(acc: dict[str, Any]) -> str:
+    lines = ["== int8 accuracy"]
+    if "default_model" in acc:
+        d = acc["default_model"]
+        lines.append(f"   default model validation loss: {d['unquantized']:.4f} -> int8 {d['int8']:.4f} "
+                     f"({100 * d['increase']:+.3f}%; target < {100 * TARGETS['int8_loss_increase']:.0f}%)")
+    if "workload_model" in acc:
+        w = acc["workload_model"]
+        lines.append(f"   workload model (random weights), per-token log-prob int8 vs bf16: mean |diff| "
+                     f"{w['mean_abs_logprob_diff']:.4f}, max {w['max_abs_logprob_diff']:.4f} "
+                     f"(mean log-prob {w['bf16_mean_logprob']:.2f})")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- main
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 requests per workload and shorter probes")
-    parser.add_argument("--workloads", default="A,B", help="comma-separated subset of A,B")
+    parser.add_argument("--isa", default=None,
+                        help="comma-separated kernel-set caps to measure: native, avx512, avx2-vnni, avx2 "
+                             "(default: native, plus avx2 when this CPU chooses more)")
+    parser.add_argument("--dtypes", default="bfloat16,float32,int8", help="comma-separated: bfloat16,float32,int8")
+    parser.add_argument("--quick", action="store_true", help="8 requests only, shorter outputs and probes")
+    parser.add_argument("--model", default="0.5b", choices=sorted(SHAPES), help="the workload model's shape")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    parser.add_argument("--no-probes", action="store_true", help="skip the batch-32 / batch-1 decode probes")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip the int8 accuracy measurements")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "kunlun_infer_perf_cpu",
-                        help="where the random-weight checkpoints are built (and reused)")
+                        help="where the random-weight checkpoint is built (and reused)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one kernel set, JSON to --out
     parser.add_argument("overrides", nargs="*", help="kunlun_infer Hydra overrides (e.g. ops=torch)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown:
+        parser.error(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
+    args.requests = [8] if args.quick else [8, 32]
+    args.outputs = (16, 32) if args.quick else (32, 128)
+    return args
 
-    num_requests = 8 if args.quick else 32
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    load = os.getloadavg()
-    result: dict[str, Any] = {
-        "quick": args.quick, "overrides": args.overrides, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-        "load_average_start": load, "workloads": {}, "targets": TARGETS,
-    }
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load[0]:.2f}; "
-          f"overrides {args.overrides or '(none)'}")
-    machine_start = measure_machine()
-    print(f"machine: bf16 matmul {machine_start['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s "
-          f"({machine_start['matmul_best']}), memory read {machine_start['read_bytes_per_s'] / 1e9:.1f} GB/s")
 
-    for name in args.workloads.split(","):
-        shape = WORKLOADS[name]
-        folder = build_model(shape, args.model_dir / name)
-        requests = make_requests(num_requests, shape.vocab, args.seed)
-        entry: dict[str, Any] = {"shape": dataclasses.asdict(shape), "num_requests": num_requests,
-                                 "useful_tokens": requests.useful_tokens}
-        result["workloads"][name] = entry
-        blocks = num_requests * (-(-(256 + 128) // 16)) + 64
-        with open_engine(folder, args.overrides, max_num_seqs=32, num_blocks=max(blocks, 32 * 24 + 64)) as llm:
-            entry["kunlun"] = run_kunlun(llm, requests, repeats=REPEATS[name])
-            print(f"{name}: kunlun_infer {entry['kunlun']['tokens_per_s']:.1f} useful tokens/s "
-                  f"({entry['kunlun']['seconds']:.1f} s)")
-            if name == "A" and not args.no_probes:
-                new = 16 if args.quick else 32
-                result["decode_b32"] = probe_decode(llm, shape, 32, 64, new)
-                result["decode_b1"] = probe_decode(llm, shape, 1, 32, 2 * new)
-                print(f"A: decode b32 {result['decode_b32']['flops_per_s'] / 1e9:.0f} GFLOP/s, "
-                      f"b1 {result['decode_b1']['ms_per_token']:.1f} ms/token")
-        if not args.no_transformers:
-            entry["transformers"] = run_transformers(folder, requests, repeats=REPEATS[name])
-            print(f"{name}: transformers {entry['transformers']['tokens_per_s']:.1f} useful tokens/s "
-                  f"({entry['transformers']['seconds']:.1f} s)")
-            entry["speedup"] = entry["kunlun"]["tokens_per_s"] / entry["transformers"]["tokens_per_s"]
+def _caps(args: argparse.Namespace) -> list[str]:
+    if args.isa:
+        return [c for c in args.isa.split(",") if c]
+    from kunlun_infer.plugins import cpu_native
 
-    result["load_average_end"] = os.getloadavg()
-    # the machine measured again at the end; its capability is the better of the two (a neighbour's job
-    # can only slow a measurement down)
-    machine_end = measure_machine()
-    result["machine"] = {key: max(machine_start[key], machine_end[key]) for key in
-                         ("matmul_flops_per_s", "read_bytes_per_s")}
-    result["machine"]["matmul_best"] = max((machine_start, machine_end),
-                                           key=lambda m: m["matmul_flops_per_s"])["matmul_best"]
-    result["machine"]["start"], result["machine"]["end"] = machine_start, machine_end
-    if "decode_b1" in result:
-        shape = WORKLOADS["A"]
-        bandwidth = result["machine"]["read_bytes_per_s"]
-        result["weight_streaming_bound_ms"] = 1e3 * 2 * shape.streamed_params() / bandwidth
+    native = cpu_native.planned()[0]
+    return ["native"] + (["avx2"] if native is not None and native.name != "avx2" else [])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child is not None:  # one kernel set, in this process
+        result = run_kernel_set(args)
+        derive(result, SHAPES[args.model], args)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
+    shape = SHAPES[args.model]
+    build_model(shape, args.model_dir / args.model)
+    combined: dict[str, Any] = {"model": dataclasses.asdict(shape), "dtypes": args.dtypes, "quick": args.quick,
+                                "overrides": args.overrides, "targets": TARGETS, "kernel_sets": {}}
+    passthrough = ["--dtypes", ",".join(args.dtypes), "--model", args.model, "--model-dir", str(args.model_dir),
+                   "--seed", str(args.seed), *(["--quick"] if args.quick else []),
+                   *(["--no-transformers"] if args.no_transformers else []),
+                   *(["--threads", str(args.threads)] if args.threads else [])]
+    for cap in _caps(args):
+        env = {**os.environ, "KUNLUN_INFER_CPU_ISA": cap, **TORCH_CAPS.get(cap, {})}
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+            path = Path(tmp.name)
+        try:
+            subprocess.run([sys.executable, __file__, *passthrough, "--child", cap, "--out", str(path), "--",
+                            *args.overrides], env=env, check=True)
+            child = json.loads(path.read_text())
+        finally:
+            path.unlink(missing_ok=True)
+        combined["kernel_sets"][child["machine"]["kernel_set"]] = child
+    if "int8" in args.dtypes and not args.no_accuracy:
+        full = default_model_validation_loss([])
+        int8 = default_model_validation_loss(["model.quantization=int8"])
+        combined["int8_accuracy"] = {
+            "default_model": {"unquantized": full, "int8": int8, "increase": (int8 - full) / full},
+            "workload_model": logprob_error(args.model_dir / args.model, shape, args.overrides)}
     print()
-    print(report(result))
+    for child in combined["kernel_sets"].values():
+        print(report(child, args))
+        print()
+    if "int8_accuracy" in combined:
+        print(accuracy_report(combined["int8_accuracy"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(combined, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
 
