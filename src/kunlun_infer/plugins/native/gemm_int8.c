@@ -143,7 +143,8 @@ INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, con
     UNROLL for (int p = 0; p < phases; p++)
         UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vi_zero();
     int64_t g = 0;
-    for (; g + phases <= groups; g += phases)
+    for (; g + phases <= groups; g += phases) {
+        prefetch(w + g * NR * 4 + PREFETCH_BYTES);
         UNROLL for (int p = 0; p < phases; p++) {
             const vi w0 = vi_load(w + (g + p) * NR * 4), w1 = vi_load(w + (g + p) * NR * 4 + VLEN * 4);
             UNROLL for (int r = 0; r < rows; r++) {
@@ -152,6 +153,7 @@ INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, con
                 acc1[p][r] = dot4(acc1[p][r], xr, w1);
             }
         }
+    }
     if (phases > 1)  /* the reductions left over by the turns */
         for (; g < groups; g++) {
             const vi w0 = vi_load(w + g * NR * 4), w1 = vi_load(w + g * NR * 4 + VLEN * 4);
@@ -217,7 +219,7 @@ INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const floa
     #pragma omp parallel if (m * n * k >= 32768)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;
-        const int64_t blocks = (mc + MR - 1) / MR, per_block = (mc + blocks - 1) / blocks;
+        const int64_t blocks = (mc + MR - 1) / MR, per_block = MR;  /* full blocks, then the rest (as gemm.c) */
         quantize_rows((const char *)x + m0 * k * (xbf16 ? 2 : 4), xbf16, mc, k, per_block, packed, sx);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
