@@ -20,6 +20,7 @@ per step, and the mask as a fraction of the unconstrained step. Prints a table a
 
     python benchmarks/structured_output.py
     KUNLUN_INFER_CPU_ISA=avx2 python benchmarks/structured_output.py --tag avx2   # an AVX2-only CPU's kernels
+    CC=none python benchmarks/structured_output.py --tag torch    # no native kernels: the torch reference mask
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def cpu_facts() -> dict[str, Any]:
         "avx2" if "avx2" in flags else "other"
     return {"cpu": model, "isa": isa, "isa_override": os.environ.get("KUNLUN_INFER_CPU_ISA"),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "mask_kernel": "native (AVX-512 masked stores)" if cpu_native.library() else "reference (torch)"}
+            "mask_kernel": f"native {cpu_native.selection().name} (masked stores)" if cpu_native.library()
+            else "reference (torch)"}
 
 
 def clock() -> tuple[float, float]:

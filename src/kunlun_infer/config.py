@@ -27,6 +27,8 @@ from kunlun_infer.errors import ConfigError
 COMM_TIMEOUT_S: float = 120.0
 #: what the engine does after a failed step (``scheduler.on_step_error``)
 ON_STEP_ERROR: tuple[str, ...] = ("recover", "shutdown")
+#: how drafts are proposed (``speculative.method``)
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
 
 
 def ranged(default: Any, allowed: str, ok: Callable[[Any], bool]) -> Any:
@@ -183,6 +185,21 @@ class StructuredConfig:
 
 
 @dataclasses.dataclass
+class SpeculativeConfig:
+    """``speculative`` node: speculative decoding, off unless ``method`` is set."""
+
+    #: ``ngram`` (prompt lookup, no extra model) or ``draft`` (a small model sharing the tokenizer); null = off
+    method: Optional[str] = ranged(None, "ngram, draft or null (off)", lambda v: v is None or v in SPECULATIVE_METHODS)
+    #: draft tokens proposed, and checked in one forward pass, per sequence and step
+    num_tokens: int = ranged(4, ">= 1", _at_least(1))
+    #: prompt lookup matches the sequence's last ngram_max down to ngram_min tokens
+    ngram_min: int = ranged(1, ">= 1", _at_least(1))
+    ngram_max: int = ranged(3, ">= 1", _at_least(1))
+    #: the draft model's folder (method=draft); it must share the model's tokenizer
+    draft_model: Optional[str] = None
+
+
+@dataclasses.dataclass
 class KunlunConfig:
     """The whole composed config (root schema)."""
 
@@ -198,6 +215,7 @@ class KunlunConfig:
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
     platform: PlatformChoice = dataclasses.field(default_factory=PlatformChoice)
     structured: StructuredConfig = dataclasses.field(default_factory=StructuredConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
 
 #: the schema of each group, for plugin options to subclass (a platform option lists its five choices)

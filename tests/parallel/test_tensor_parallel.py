@@ -157,3 +157,18 @@ def test_two_hosts_through_torchrun_rendezvous_generate_the_embedded_tokens(tiny
     host0, host1 = run_all(hosts)
     assert json_tokens(host0) == single_rank("llama")[1]  # rank 0 (host 0) drives the engine and prints
     assert host1.returncode == 0 and json_tokens(host1) == []  # rank 1 serves its shard silently
+
+
+def test_two_ranks_check_prompt_lookup_drafts_and_write_the_same_tokens(tiny_model):
+    import transformers as tf
+
+    folder = tiny_model("llama")
+    repetitive = [[7, 8, 9] * 6 + p for p in prompts()]
+    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, 16) for p in repetitive]
+    with LLM(model=str(folder), overrides=overrides(2) + ["speculative.method=ngram", "speculative.num_tokens=3",
+                                                          "speculative.ngram_min=1"]) as llm:
+        outs = llm.generate(repetitive, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+        stats = llm.engine.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["spec_verifications"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]

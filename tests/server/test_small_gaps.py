@@ -4,6 +4,7 @@ import httpx
 import pytest
 
 import kunlun_infer as ki
+from kunlun_infer.server.metrics import PREFIX
 from tests.chat_models import IM_END_ID
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße, 世界!"}]
@@ -71,3 +72,24 @@ def test_logprobs_before_or_after_penalties(client, server, llm):
             [e[t] for t, e in zip(expected.token_ids, expected.logprobs)], abs=1e-5)
     assert answers["raw"].logprobs.token_logprobs != pytest.approx(answers["processed"].logprobs.token_logprobs,
                                                                    abs=1e-3)
+
+
+def test_speculation_counters_reach_metrics(chat_folder, llm):
+    from tests.server.harness import RunningServer, engine_for
+
+    engine = engine_for(chat_folder, speculative__method="ngram", speculative__num_tokens=3)
+    running = RunningServer(engine)
+    try:
+        body = {"prompt": "abcdabcdabcdabcdabcd", "max_tokens": 24, "temperature": 0}
+        answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()
+        plain = llm.generate(body["prompt"], ki.SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
+        assert answer["choices"][0]["text"] == plain.text
+        metrics, stats = running.metrics(), engine.stats()
+        assert metrics[f"{PREFIX}_spec_draft_tokens_total"] == stats["spec_draft_tokens"] > 0
+        assert metrics[f"{PREFIX}_spec_accepted_tokens_total"] == stats["spec_accepted_tokens"]
+        assert metrics[f"{PREFIX}_spec_acceptance_rate"] == pytest.approx(stats["spec_acceptance_rate"])
+        assert metrics[f"{PREFIX}_spec_tokens_per_step"] == pytest.approx(stats["spec_tokens_per_step"])
+        assert stats["spec_tokens_per_step"] >= 1
+    finally:
+        running.stop()
+        engine.close()

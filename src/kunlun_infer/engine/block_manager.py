@@ -132,6 +132,19 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free ``seq``'s blocks past the first ``num_tokens`` tokens (KV written for drafts it did not keep).
+
+        Only blocks beyond the computed tokens can go: those hold no cached prefix.
+        """
+        keep = max(self.blocks_for(num_tokens), self.blocks_for(seq.num_computed_tokens))
+        for block in reversed(seq.block_table[keep:]):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` (a fresh sequence of ``parent``'s prompt) the parent's full computed blocks by reference.
 

@@ -46,6 +46,8 @@ from kunlun_infer.engine.sample_group import SampleGroup
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.startup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
+from kunlun_infer.engine.draft_model import DraftModelProposer
+from kunlun_infer.engine.speculative import CacheGeometry, SpeculationStats, Speculator, load_proposer
 from kunlun_infer.engine.structured import StructuredOutputs
 from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
 from kunlun_infer.layers.quantization import Quantization
@@ -64,6 +66,8 @@ class LLMEngine:
         self.runtime = Runtime.from_config(config, local_rank=local_rank()) if runtime is None else runtime
         #: the other tensor-parallel ranks (``None`` with ``parallel.tensor_size=1``)
         self.parallel: Any = None
+        #: speculative decoding (``speculative.method``); ``None`` when off
+        self.speculator: Speculator | None = None
         self._closed = False
         #: request id -> its samples, while any of them is unfinished
         self._requests: dict[str, SampleGroup] = {}
@@ -122,6 +126,11 @@ class LLMEngine:
         self.runner = runner_class(model, device=self.device, block_size=self.block_size, sampler=sampler,
                                    memory=rt.memory)
         layout = self.runner.layout
+        proposer = load_proposer(cfg.get("speculative"), runtime=rt, dtype=self.dtype,
+                                 max_model_len=self.max_model_len, block_size=self.block_size,
+                                 vocab_size=self.vocab_size, tensor_size=tensor_size, seed=int(cfg.model.seed))
+        draft = proposer if isinstance(proposer, DraftModelProposer) else None
+        self._draft = draft  # its cache is released with the model's
         budget, chunked = int(cfg.scheduler.max_num_batched_tokens), bool(cfg.scheduler.chunked_prefill)
         if not chunked and budget < self.max_model_len:
             log.warning("scheduler.chunked_prefill=false: raising scheduler.max_num_batched_tokens from %d to "
@@ -136,15 +145,24 @@ class LLMEngine:
         if cfg.cache.num_blocks is not None:
             num_blocks = int(cfg.cache.num_blocks)
         else:
+            # a draft model's weights and cache (in the same blocks) come out of the same memory
+            geometry = layout if draft is None else CacheGeometry(
+                self.block_size, layout.bytes_per_block + draft.bytes_per_block)
             self.kv_budget = size_kv_cache(
-                layout, device_memory=free_before_weights, memory_fraction=float(cfg.cache.memory_fraction),
-                weight_bytes=model.weight_nbytes(), activation_bytes=activation_bytes,
+                geometry, device_memory=free_before_weights, memory_fraction=float(cfg.cache.memory_fraction),
+                weight_bytes=model.weight_nbytes() + (draft.weight_nbytes() if draft else 0),
+                activation_bytes=activation_bytes,
                 comm_bytes=rt.comm.buffer_bytes(), max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
             num_blocks = self.kv_budget.num_blocks
         self.runner.resize_kv_cache(num_blocks)  # on every tensor-parallel rank
+        if draft is not None:
+            draft.allocate(num_blocks)
         self.block_manager = BlockManager(num_blocks, self.block_size, bool(cfg.cache.prefix_caching))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    chunked_prefill=chunked)
+        self.speculator = None if proposer is None else Speculator(
+            proposer, num_tokens=int(cfg.speculative.num_tokens), max_model_len=self.max_model_len,
+            block_manager=self.block_manager)
         self.intake = RequestIntake(tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                                     max_model_len=self.max_model_len, max_kv_tokens=num_blocks * self.block_size,
                                     max_num_seqs=max_num_seqs, structured=self.structured)
@@ -227,6 +245,9 @@ class LLMEngine:
         if group is None:
             return []
         ended = group.abort(self.scheduler, time.monotonic(), error)
+        if self.speculator is not None:
+            for state in group.samples:
+                self.speculator.forget(state.seq)
         for output in ended:
             self._finished(output, self._aborted_outputs)
         self._num_finished += 1
@@ -243,7 +264,11 @@ class LLMEngine:
         self._check_open()
         started = time.monotonic()
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.fit(batch, [*self.scheduler.running, *self.scheduler.waiting])
         if batch.seqs:
             try:
                 self._run(batch, started, outputs)
@@ -270,15 +295,28 @@ class LLMEngine:
             group.mark_scheduled(started)
             if drawing := group.co_samples(seq):
                 co_samples[seq.seq_id] = drawing
+        speculator = self.speculator
+        drafts = {seq.seq_id: speculator.drafts_of(seq) for seq in batch.seqs
+                  if speculator.num_drafts(seq)} if speculator is not None else None
         try:
-            result = self.runner.execute(batch, co_samples)
+            result = self.runner.execute(batch, co_samples, drafts)
             now = time.monotonic()
             self._num_computed_tokens += batch.num_tokens
+            carried = speculator.settle(batch) if speculator is not None else {}
             self.scheduler.update(batch)
             for scored in result.prompt_logprobs:
                 self._requests[scored.seq.request_id].add_prompt_logprobs(scored.first, scored.logprobs)
+            kept: dict[int, int] = {}
             for sampled in result.sampled:
+                if sampled.seq.is_finished:
+                    continue  # a stop among a sequence's kept drafts ended it: the tokens after it are dropped
+                kept[sampled.seq.seq_id] = kept.get(sampled.seq.seq_id, 0) + 1
                 self._record(sampled, now, outputs)
+                if sampled.seq.is_finished and speculator is not None:
+                    speculator.forget(sampled.seq)
+            for seq in batch.seqs:
+                if seq.seq_id in carried:
+                    speculator.keep(seq, carried[seq.seq_id], kept.get(seq.seq_id, 1) - 1)  # type: ignore[union-attr]
         except WorkerError as exc:  # a tensor-parallel rank is gone: no later step can run either
             error = self._step_failed(batch, exc)
             if error.shut_down:
@@ -309,6 +347,8 @@ class LLMEngine:
     def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> EngineStepError:
         """End the failed step's requests with the error, then recover or shut down (``scheduler.on_step_error``)."""
         step = self._num_steps + 1
+        if self.speculator is not None:
+            self.speculator.settle(batch)  # drafts come off before the requests end
         cause, plugin, hook, layer = describe_failure(exc)
         error = f"step {step} failed: {cause}"
         request_ids = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
@@ -349,6 +389,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": sched.prefix_cache_query_tokens, "num_steps": self._num_steps,
             "num_requests_finished": self._num_finished, "num_generated_tokens": self._num_generated_tokens,
             "num_computed_tokens": self._num_computed_tokens, "max_model_len": self.max_model_len,
+            **(self.speculator.stats if self.speculator is not None else SpeculationStats()).as_dict(),
             "max_num_seqs": sched.max_num_seqs, "max_request_tokens": self.intake.max_request_tokens,
         }
 
@@ -373,6 +414,9 @@ class LLMEngine:
     def _release(self) -> None:
         runner = getattr(self, "runner", None)
         structured = getattr(self, "structured", None)
+        draft = getattr(self, "_draft", None)
+        if draft is not None:
+            draft.close()
         try:
             if structured is not None:
                 structured.close()

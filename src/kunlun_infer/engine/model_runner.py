@@ -36,6 +36,7 @@ from kunlun_infer.engine.prompt_logprobs import (PromptSpan, ScoredPrompt, gathe
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch
 from kunlun_infer.engine.sequence import Sequence
+from kunlun_infer.engine.rejection import verify
 from kunlun_infer.ops.attention_step import AttentionStep
 
 
@@ -51,6 +52,9 @@ class StepInputs:
     sample_rows: list[int]
     #: rows scoring prompt tokens for ``prompt_logprobs``; their logits follow the sampled rows' in order
     prompt_spans: list[PromptSpan] = dataclasses.field(default_factory=list)
+    #: batch row of a sequence checking drafts -> where the logits of its draft positions start (after the
+    #: prompt spans'); its last position's logits are its sampled row's, as for any sequence
+    draft_rows: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -72,11 +76,13 @@ class StepResult:
 
 
 def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_size: int, device: torch.device,
-                      order: Seq[int] | None = None) -> StepInputs:
+                      order: Seq[int] | None = None, num_drafts: Mapping[int, int] | None = None) -> StepInputs:
     """The flat batch for ``seqs`` computing ``num_new_tokens`` tokens each (host work, then one copy).
 
     ``order``: the batch rows in the order their tokens are laid out (default:
     as given). ``sample_rows`` and ``prompt_spans`` speak of batch rows.
+    ``num_drafts[seq_id]``: draft tokens ending that sequence's chunk, whose
+    positions' logits are kept too (speculative decoding).
     """
     order = list(range(len(seqs))) if order is None else list(order)
     starts = [seqs[i].num_computed_tokens for i in order]
@@ -105,8 +111,19 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
     spans = prompt_spans(seqs, computed, num_new_tokens)
     if spans:
         logits_indices = torch.cat([logits_indices, span_indices(spans, row_starts)])
+    draft_rows: dict[int, int] = {}
+    if num_drafts:
+        extra = []
+        for i in sample_rows:
+            d = num_drafts.get(seqs[i].seq_id, 0)
+            if d:
+                last = int(row_starts[i]) + num_new_tokens[i] - 1
+                draft_rows[i] = len(logits_indices) + len(extra)
+                extra += range(last - d, last)
+        if extra:
+            logits_indices = torch.cat([logits_indices, torch.tensor(extra, dtype=torch.int64)])
     return StepInputs(torch.tensor(input_ids, dtype=torch.int64).to(device), positions.to(device), step,
-                      logits_indices.to(device), sample_rows, spans)
+                      logits_indices.to(device), sample_rows, spans, draft_rows)
 
 
 class ModelRunner:
@@ -145,36 +162,71 @@ class ModelRunner:
 
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, co_samples: Mapping[int, list[Sequence]] | None = None) -> StepResult:
+    def execute(self, batch: ScheduledBatch, co_samples: Mapping[int, list[Sequence]] | None = None,
+                drafts: Mapping[int, tuple[list[int], torch.Tensor | None]] | None = None) -> StepResult:
         """Forward the batch and sample every sequence whose known tokens are now all computed.
 
         ``co_samples[seq_id]``: sequences that draw a token from the logits of
         the sequence with that id, when it is sampled, besides itself. Each
         draw uses the drawing sequence's params, history and ``generator``.
+        ``drafts[seq_id]``: the draft tokens ending that sequence's chunk and
+        their distribution; they are checked (:func:`rejection.verify`) and
+        the sequence gets every token it keeps, in order.
         """
+        num_drafts = {seq_id: len(d) for seq_id, (d, _) in (drafts or {}).items() if d}
         order = self.attention.order_batch(batch.num_new_tokens, [s.num_computed_tokens for s in batch.seqs])
-        inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device, order)
+        inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device, order,
+                                   num_drafts)
         logits = self.compute(inputs)
         if logits is None:
             return StepResult()
         rows = inputs.sample_rows
-        result = StepResult(prompt_logprobs=gather_prompt_logprobs(logits[len(rows):], batch.seqs,
+        spans_end = len(logits) - sum(num_drafts.get(batch.seqs[i].seq_id, 0) for i in inputs.draft_rows)
+        result = StepResult(prompt_logprobs=gather_prompt_logprobs(logits[len(rows):spans_end], batch.seqs,
                                                                    inputs.prompt_spans))
         if not rows:
             return result
         draws: list[Sequence] = []
         logits_rows: list[int] = []
+        checked: dict[int, list[SampledToken]] = {}
         for j, i in enumerate(rows):
             seq = batch.seqs[i]
+            if i in inputs.draft_rows:
+                start = inputs.draft_rows[i]
+                positions = torch.cat([logits[start:start + num_drafts[seq.seq_id]], logits[j:j + 1]])
+                checked[j] = self._check_drafts(seq, positions, *drafts[seq.seq_id])  # type: ignore[index]
+                continue
             drawing = [seq, *(co_samples or {}).get(seq.seq_id, ())]
             draws += drawing
             logits_rows += [j] * len(drawing)
-        logits = logits[:len(rows)]
-        if len(draws) > len(rows):
-            logits = logits.index_select(0, torch.tensor(logits_rows, device=logits.device))
-        out = self.sampler(logits, [s.params for s in draws], [s.generator for s in draws], draws)
-        result.sampled = [SampledToken(*draw) for draw in zip(draws, out.token_ids, out.logprobs)]
+        sampled: list[SampledToken] = []
+        if draws:
+            if logits_rows == list(range(len(rows))):
+                draw_logits = logits[:len(rows)]
+            else:
+                draw_logits = logits.index_select(0, torch.tensor(logits_rows, device=logits.device))
+            out = self.sampler(draw_logits, [s.params for s in draws], [s.generator for s in draws], draws)
+            sampled = [SampledToken(*draw) for draw in zip(draws, out.token_ids, out.logprobs)]
+        # batch order, a sequence's co-samples right after it, a checked sequence's tokens in order
+        taken = iter(sampled)
+        for j, i in enumerate(rows):
+            if j in checked:
+                result.sampled += checked[j]
+            else:
+                result.sampled += [next(taken) for _ in range(1 + len((co_samples or {}).get(batch.seqs[i].seq_id,
+                                                                                              ())))]
         return result
+
+    def _check_drafts(self, seq: Sequence, logits: torch.Tensor, draft_tokens: list[int],
+                      draft_probs: torch.Tensor | None) -> list[SampledToken]:
+        """The tokens ``seq`` keeps of its drafts (and the one after), from its chunk's logits, with logprobs."""
+        kept = verify(logits, draft_tokens, draft_probs, seq.params, seq.generator, self.sampler)
+        logprobs: list[dict[int, float] | None] = [None] * len(kept)
+        if seq.params.logprobs is not None:
+            rows = logits[:len(kept)]
+            logprobs = self.sampler.logprobs(rows, rows, torch.tensor(kept, device=rows.device),
+                                             [seq.params] * len(kept))
+        return [SampledToken(seq, token, lp) for token, lp in zip(kept, logprobs)]
 
     def compute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Forward the flat batch; the logits of the rows in ``logits_indices`` (``None`` when there are none).

@@ -150,7 +150,7 @@ class Sampler:
             tokens = greedy_tokens
         else:
             tokens = self._sample(processed, params, generators, device, greedy_tokens)
-        return SamplerOutput(tokens.tolist(), self._logprobs(logits, processed, tokens, params))
+        return SamplerOutput(tokens.tolist(), self.logprobs(logits, processed, tokens, params))
 
     @staticmethod
     def _process(logits: torch.Tensor, params: list[SamplingParams],
@@ -170,10 +170,13 @@ class Sampler:
                                       [histories[i].stop_token_ids for i in short])
         return logits
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None], device: torch.device,
-                greedy_tokens: torch.Tensor) -> torch.Tensor:
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+    @staticmethod
+    def distribution(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The probabilities a sampled row draws from: temperature, then top-k/top-p, then ``min_p``.
+
+        Greedy rows get their softmax at temperature 1 (they are drawn by argmax).
+        """
+        device = logits.device
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
                                    dtype=logits.dtype, device=device)
         # a huge penalty or a tiny temperature can push logits to +inf, and softmax of inf is NaN
@@ -189,6 +192,13 @@ class Sampler:
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
             probs = apply_min_p(probs, torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device))
+        return probs
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None], device: torch.device,
+                greedy_tokens: torch.Tensor) -> torch.Tensor:
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        probs = self.distribution(logits, params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in enumerate(generators):
             if generator is not None and not params[row].greedy:
@@ -197,8 +207,12 @@ class Sampler:
         return torch.where(is_greedy, greedy_tokens, sampled)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor,
-                  params: list[SamplingParams]) -> list[dict[int, float] | None]:
+    def logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor,
+                 params: list[SamplingParams]) -> list[dict[int, float] | None]:
+        """For each row that asks: ``{token: logprob}`` of the chosen token and the ``logprobs`` likeliest.
+
+        From ``logits`` (``logprobs_mode="raw"``) or ``processed`` (penalized and masked) per row.
+        """
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         result: list[dict[int, float] | None] = [None] * len(params)
         if not rows:

@@ -129,8 +129,8 @@ class Scheduler:
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
-        if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-            batch.num_decode_tokens += 1
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:  # a decode (with any speculative drafts)
+            batch.num_decode_tokens += num_new
         else:
             batch.num_prefill_tokens += num_new
 

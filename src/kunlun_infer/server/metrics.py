@@ -135,6 +135,14 @@ class ServerMetrics:
             Gauge("preemptions_total", "Sequences preempted so far.", stat("num_preemptions"), kind="counter"),
             Gauge("prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache so far.",
                   stat("prefix_cache_hit_tokens"), kind="counter"),
+            Gauge("spec_draft_tokens_total", "Speculative decoding: draft tokens checked.",
+                  stat("spec_draft_tokens"), kind="counter"),
+            Gauge("spec_accepted_tokens_total", "Speculative decoding: draft tokens kept.",
+                  stat("spec_accepted_tokens"), kind="counter"),
+            Gauge("spec_acceptance_rate", "Speculative decoding: share of draft tokens kept (0-1).",
+                  stat("spec_acceptance_rate")),
+            Gauge("spec_tokens_per_step", "Speculative decoding: tokens a checked sequence gains per step.",
+                  stat("spec_tokens_per_step")),
         ]
 
     def observe_step(self, duration_s: float, batch_size: int) -> None:
