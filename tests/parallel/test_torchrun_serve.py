@@ -150,5 +150,6 @@ def test_bench_under_torchrun_measures_on_rank_0(tiny_model):
     assert result["num_requests"] == 6 and result["output_tokens"] == 6 * 4
     sweep = subprocess.run(cmd[:-len(overrides(1)) - 2] + ["--sweep", "scheduler.max_num_seqs=1,2", *overrides(1)],
                            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
-    # every rank refuses alike (torchrun reports the failed ranks), rather than rank 1 waiting for a second engine
-    assert sweep.returncode != 0 and sweep.stderr.count("--sweep starts one engine per value") == 2
+    # the ranks refuse (rather than rank 1 waiting for a second engine); once one rank has failed torchrun may stop
+    # the other before it prints its own refusal, so the message shows once or twice
+    assert sweep.returncode != 0 and sweep.stderr.count("--sweep starts one engine per value") in (1, 2)
