@@ -197,7 +197,7 @@ class DictOpsProvider(OpsProvider):
 
 
 class Comm(abc.ABC):
-    """Collectives among the ranks of one tensor-parallel group.
+    """Collectives among the ranks of one engine (its tensor- and pipeline-parallel ranks).
 
     ``init`` must be called once before any collective. Collectives are
     blocking from the caller's point of view unless the streams plugin runs
@@ -250,6 +250,49 @@ class Comm(abc.ABC):
     def buffer_bytes(self) -> int:
         """Device memory this comm plugin keeps for its buffers (for the memory plan)."""
         return 0
+
+    # -- hook API 1.4: point to point and subgroups (pipeline parallelism); optional, with refusing defaults
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to rank ``dst`` of this group (1.4).
+
+        Returns once ``tensor`` may be reused (it may wait for ``dst`` to
+        post the matching :meth:`recv`). Messages between two ranks arrive in
+        the order they were sent. A comm without it cannot serve pipeline
+        parallelism; the default says so.
+        """
+        raise NotImplementedError(point_to_point_missing(self))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill ``tensor`` (its shape and dtype must match the sent one) with the next message from ``src`` (1.4).
+
+        Returns ``tensor``. Bounded by the group's ``timeout_s``: a peer that
+        never sends makes it raise an error whose text says it timed out.
+        """
+        raise NotImplementedError(point_to_point_missing(self))
+
+    def subgroup(self, ranks: Sequence[int]) -> Comm:
+        """A Comm over ``ranks`` of this group (ascending), whose own rank 0 is ``ranks[0]`` (1.4).
+
+        Every rank in ``ranks`` calls it (ranks outside need not); the
+        collectives of the returned Comm involve those ranks only. It is
+        destroyed with this one. Used to give each pipeline stage its own
+        tensor-parallel group.
+        """
+        raise NotImplementedError(point_to_point_missing(self))
+
+
+def point_to_point_missing(comm: Comm) -> str:
+    """Why ``comm`` cannot serve pipeline parallelism (its plugin predates hook API 1.4's send/recv/subgroup)."""
+    return (f"comm={comm.name} ({type(comm).__name__}) has no point-to-point send/recv or subgroups (hook API "
+            "1.4); pipeline parallelism (parallel.pipeline_size > 1) needs them: choose comm=gloo or a comm "
+            "plugin that supports hook API 1.4")
+
+
+def has_point_to_point(comm: Comm) -> bool:
+    """True when ``comm`` (or the plugin object a guard wraps) implements ``send``, ``recv`` and ``subgroup``."""
+    inner = getattr(comm, "inner", comm)
+    return all(getattr(type(inner), name) is not getattr(Comm, name) for name in ("send", "recv", "subgroup"))
 
 
 # --------------------------------------------------------------------------- streams

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
@@ -130,9 +130,15 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    """``parallel`` group: tensor parallelism."""
+    """``parallel`` group: tensor and pipeline parallelism (``pipeline_size`` × ``tensor_size`` ranks)."""
 
     tensor_size: int = ranged(1, "at least 1", _at_least(1))
+    #: pipeline stages, each a contiguous run of layers on its own ``tensor_size`` ranks
+    pipeline_size: int = ranged(1, "at least 1", _at_least(1))
+    #: layers per stage, first stage first (e.g. ``[10,14]``); ``None`` = as even as possible
+    pipeline_layers: Optional[List[int]] = None
+    #: batches in flight through the pipeline at once (at least 2 lets the stages overlap)
+    pipeline_batches: int = ranged(2, "at least 1", _at_least(1))
     #: ``tcp://host:port`` for rendezvous of engine-spawned workers; ``None`` = pick a free port
     init_method: Optional[str] = None
     #: seconds to wait for a worker before declaring it dead

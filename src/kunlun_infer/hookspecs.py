@@ -94,6 +94,13 @@ Changes
     time; used when ``model.quantization=int8``). A provider without them is
     served by the references, like any op it lacks; a 1.2 plugin loads and
     runs unchanged.
+    1.4 — :class:`~kunlun_infer.capabilities.Comm` gains point-to-point
+    ``send(tensor, dst)`` / ``recv(tensor, src)`` and ``subgroup(ranks)`` (a
+    Comm over some of the group's ranks), which pipeline parallelism
+    (``parallel.pipeline_size``) passes hidden states and gives each stage
+    its tensor-parallel group with. Their defaults refuse with a message
+    naming the comm; the engine checks for them before it starts a pipeline,
+    so a 1.3 comm plugin loads and runs unchanged without one.
 """
 
 from __future__ import annotations
@@ -111,7 +118,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 #: pluggy project name and entry-point group
 PROJECT_NAME = "kunlun_infer"
 #: version of this contract, ``(major, minor)``
-HOOK_API_VERSION: tuple[int, int] = (1, 3)
+HOOK_API_VERSION: tuple[int, int] = (1, 4)
 HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

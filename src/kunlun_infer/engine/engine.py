@@ -23,6 +23,7 @@ never stops a step.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -40,6 +41,8 @@ from kunlun_infer.engine.kv_cache import KVBudget, size_kv_cache
 from kunlun_infer.engine.model_runner import ModelRunner, SampledToken
 from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.engine.parallel.driver import TensorParallelGroup
+from kunlun_infer.engine.parallel.pipeline_driver import PipelineGroup
+from kunlun_infer.engine.parallel.stages import Grid
 from kunlun_infer.engine.parallel.placement import local_rank, resolve_parallel_config
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sample_group import SampleGroup
@@ -49,7 +52,7 @@ from kunlun_infer.engine.startup import choose_dtype, choose_max_model_len, meas
 from kunlun_infer.engine.draft_model import DraftModelProposer
 from kunlun_infer.engine.speculative import CacheGeometry, SpeculationStats, Speculator, load_proposer
 from kunlun_infer.engine.structured import StructuredOutputs
-from kunlun_infer.errors import EngineStepError, KunlunInferError, RequestError, WorkerError
+from kunlun_infer.errors import ConfigError, EngineStepError, KunlunInferError, RequestError, WorkerError
 from kunlun_infer.layers.quantization import Quantization
 from kunlun_infer.models import load_model, load_model_config, load_tokenizer
 from kunlun_infer.runtime import Runtime
@@ -109,7 +112,17 @@ class LLMEngine:
         self.device = rt.device.torch_device
         free_before_weights = rt.device.mem_get_info()[0]
         self.block_size = int(cfg.cache.block_size)
-        if tensor_size > 1:
+        pipeline_size = int(cfg.parallel.get("pipeline_size", 1))
+        #: the pipeline's stages and ranks (``None`` without pipeline parallelism)
+        self.grid = Grid.from_config(cfg, arch.num_hidden_layers) if pipeline_size > 1 else None
+        if self.grid is not None:
+            if cfg.get("speculative") is not None and cfg.speculative.method is not None:
+                raise ConfigError("speculative.method with parallel.pipeline_size > 1 is not supported; "
+                                  "turn one of them off")
+            self.parallel = PipelineGroup.start_pipeline(cfg, rt, self.grid)
+            model = self.parallel.load_model(self.model_path, dtype=self.dtype, max_model_len=self.max_model_len,
+                                             block_size=self.block_size, quantization=self.quantization)
+        elif tensor_size > 1:
             self.parallel = TensorParallelGroup.start(cfg, rt)
             model = self.parallel.load_model(self.model_path, dtype=self.dtype, max_model_len=self.max_model_len,
                                              block_size=self.block_size, quantization=self.quantization)
@@ -144,6 +157,15 @@ class LLMEngine:
         self.kv_budget: KVBudget | None = None
         if cfg.cache.num_blocks is not None:
             num_blocks = int(cfg.cache.num_blocks)
+        elif self.grid is not None:
+            # each rank holds the KV of its stage's layers: the tightest rank decides the count for all
+            budgets = [size_kv_cache(
+                CacheGeometry(self.block_size, per_block), device_memory=free, weight_bytes=weights,
+                memory_fraction=float(cfg.cache.memory_fraction), activation_bytes=activation_bytes,
+                comm_bytes=rt.comm.buffer_bytes(), max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+                for free, weights, per_block in self.parallel.rank_memory]
+            self.kv_budget = min(budgets, key=lambda b: b.num_blocks)
+            num_blocks = self.kv_budget.num_blocks
         else:
             # a draft model's weights and cache (in the same blocks) come out of the same memory
             geometry = layout if draft is None else CacheGeometry(
@@ -160,6 +182,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, self.block_size, bool(cfg.cache.prefix_caching))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    chunked_prefill=chunked)
+        #: batches sent down the pipeline and not yet back, oldest first (pipeline parallelism only)
+        self._in_flight: collections.deque[tuple[ScheduledBatch, Any]] = collections.deque()
+        self.pipeline_batches = int(cfg.parallel.pipeline_batches) if self.grid is not None else 1
+        #: each batch in flight takes its share of the running sequences, so that there is one for each
+        self._batch_seqs = -(-max_num_seqs // self.pipeline_batches)
         self.speculator = None if proposer is None else Speculator(
             proposer, num_tokens=int(cfg.speculative.num_tokens), max_model_len=self.max_model_len,
             block_manager=self.block_manager)
@@ -170,6 +197,7 @@ class LLMEngine:
         rt.plugins.engine_start({
             "model": str(self.model_path), "dtype": dtype_name(self.dtype),
             "kv_blocks_total": num_blocks, "block_size": self.block_size, "tensor_size": tensor_size,
+            "pipeline_size": pipeline_size,
             "plugins": {c: rt.plugin_for(c) for c in ("device", "memory", "ops", "comm", "streams")},
         })
         log.info("engine ready: %s (%s), max_model_len=%d, %d KV blocks", self.model_path, self.dtype,
@@ -264,6 +292,8 @@ class LLMEngine:
         self._check_open()
         started = time.monotonic()
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self.grid is not None:
+            return self._pipelined_step(started, outputs)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -288,24 +318,97 @@ class LLMEngine:
                 "duration_s": time.monotonic() - started})
         return outputs
 
-    def _run(self, batch: ScheduledBatch, started: float, outputs: list[RequestOutput]) -> None:
+    def _pipelined_step(self, started: float, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Send a new batch down the pipeline if one can be formed; take back the oldest when enough are out.
+
+        A sequence in a batch still in flight is not scheduled again (nor
+        preempted) until that batch is back: its tokens are not known yet.
+        """
+        busy = {seq.seq_id for batch, _ in self._in_flight for seq in batch.seqs}
+        batch = self.scheduler.schedule(busy=busy, max_seqs=self._batch_seqs)
+        try:
+            if batch.seqs:
+                self._submit(batch, started)
+            if self._in_flight and (len(self._in_flight) >= self.pipeline_batches or not batch.seqs):
+                done, pending = self._in_flight.popleft()
+                try:
+                    result = self.runner.collect(pending)
+                except WorkerError as exc:
+                    error = self._pipeline_broke(done, exc)
+                    if error is exc:
+                        raise
+                    raise error from exc
+                except Exception as exc:
+                    raise self._step_failed(done, exc) from exc
+                self._apply(done, result, None, outputs)
+        except BaseException as exc:
+            if isinstance(exc, EngineStepError) and exc.shut_down:
+                exc.outputs[:0] = outputs
+            else:
+                self._aborted_outputs[:0] = outputs
+            raise
+        self._num_steps += 1
+        return outputs
+
+    def _submit(self, batch: ScheduledBatch, started: float) -> None:
+        try:
+            self._in_flight.append((batch, self.runner.submit(batch, self._co_samples(batch, started))))
+        except WorkerError as exc:
+            error = self._pipeline_broke(batch, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        except Exception as exc:
+            raise self._step_failed(batch, exc) from exc
+
+    def _pipeline_broke(self, batch: ScheduledBatch, exc: WorkerError) -> Exception:
+        """A rank is gone: every batch in flight fails with the one at hand."""
+        merged = ScheduledBatch([], [])
+        for done, _ in self._in_flight:
+            merged.seqs += done.seqs
+            merged.num_new_tokens += done.num_new_tokens
+        self._in_flight.clear()
+        merged.seqs += batch.seqs
+        merged.num_new_tokens += batch.num_new_tokens
+        error = self._step_failed(merged, exc)
+        return error if error.shut_down else exc
+
+    def _co_samples(self, batch: ScheduledBatch, started: float) -> dict[int, list[Any]]:
         co_samples = {}
         for seq in batch.seqs:
             group = self._requests[seq.request_id]
             group.mark_scheduled(started)
             if drawing := group.co_samples(seq):
                 co_samples[seq.seq_id] = drawing
+        return co_samples
+
+    def _run(self, batch: ScheduledBatch, started: float, outputs: list[RequestOutput]) -> None:
+        co_samples = self._co_samples(batch, started)
         speculator = self.speculator
         drafts = {seq.seq_id: speculator.drafts_of(seq) for seq in batch.seqs
                   if speculator.num_drafts(seq)} if speculator is not None else None
         try:
             result = self.runner.execute(batch, co_samples, drafts)
+        except WorkerError as exc:  # a tensor-parallel rank is gone: no later step can run either
+            error = self._step_failed(batch, exc)
+            if error.shut_down:
+                raise error from exc
+            raise
+        except Exception as exc:
+            raise self._step_failed(batch, exc) from exc
+        self._apply(batch, result, drafts, outputs)
+
+    def _apply(self, batch: ScheduledBatch, result: Any, drafts: Any, outputs: list[RequestOutput]) -> None:
+        """Record a step's computed tokens, its prompt logprobs and its drawn tokens."""
+        speculator = self.speculator
+        try:
             now = time.monotonic()
             self._num_computed_tokens += batch.num_tokens
             carried = speculator.settle(batch) if speculator is not None else {}
             self.scheduler.update(batch)
             for scored in result.prompt_logprobs:
-                self._requests[scored.seq.request_id].add_prompt_logprobs(scored.first, scored.logprobs)
+                if not scored.seq.is_finished:  # (aborted while its step was in the pipeline)
+                    self._requests[scored.seq.request_id].add_prompt_logprobs(scored.first, scored.logprobs)
             kept: dict[int, int] = {}
             for sampled in result.sampled:
                 if sampled.seq.is_finished:
@@ -424,6 +527,9 @@ class LLMEngine:
             log.error("closing the structured-output processor failed: %s", exc)
         try:
             if runner is not None:
+                if getattr(self, "_in_flight", None):
+                    self._in_flight.clear()
+                    runner.drain()  # the stages finish what they were given before they are stopped
                 runner.release_kv_cache()
         finally:
             self._closed = True

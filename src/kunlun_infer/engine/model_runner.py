@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 from collections.abc import Sequence as Seq
 
 import torch
@@ -174,10 +175,14 @@ class ModelRunner:
         the sequence gets every token it keeps, in order.
         """
         num_drafts = {seq_id: len(d) for seq_id, (d, _) in (drafts or {}).items() if d}
-        order = self.attention.order_batch(batch.num_new_tokens, [s.num_computed_tokens for s in batch.seqs])
-        inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device, order,
-                                   num_drafts)
-        logits = self.compute(inputs)
+        inputs = self.prepare(batch, num_drafts)
+        return self.sample(batch, inputs, self.compute(inputs), co_samples, drafts)
+
+    def sample(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor | None,
+               co_samples: Mapping[int, list[Sequence]] | None = None,
+               drafts: Mapping[int, tuple[list[int], torch.Tensor | None]] | None = None) -> StepResult:
+        """Draw the step's tokens (and score its prompt logprobs) from the logits of ``inputs``' rows."""
+        num_drafts = {seq_id: len(d) for seq_id, (d, _) in (drafts or {}).items() if d}
         if logits is None:
             return StepResult()
         rows = inputs.sample_rows
@@ -233,8 +238,21 @@ class ModelRunner:
 
         Tensor-parallel ranks other than 0 call this alone (they do not sample).
         """
+        return self.logits(inputs, self.forward(inputs))
+
+    def forward(self, inputs: StepInputs, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """The model's forward over this rank's layers (a pipeline stage's, given the stage before's output)."""
         metadata = self.attention.build_metadata(inputs.attn)
-        hidden = self.model(inputs.input_ids, inputs.positions, metadata, self._kv_caches)
+        return self.model(inputs.input_ids, inputs.positions, metadata, self._kv_caches, intermediate)
+
+    def logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of the rows in ``logits_indices`` of the final hidden states (``None`` when there are none)."""
         if inputs.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+
+    def prepare(self, batch: ScheduledBatch, num_drafts: Mapping[int, int] | None = None) -> StepInputs:
+        """The flat batch of ``batch``, in the order the attention backend asks for."""
+        order = self.attention.order_batch(batch.num_new_tokens, [s.num_computed_tokens for s in batch.seqs])
+        return build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device, order,
+                                 num_drafts)

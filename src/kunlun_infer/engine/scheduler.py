@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import deque
+from collections.abc import Set
 
 from kunlun_infer.engine.block_manager import BlockManager
 from kunlun_infer.engine.sequence import Sequence, SequenceStatus
@@ -68,37 +69,47 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
 
-    def schedule(self) -> ScheduledBatch:
-        """Pick this step's sequences and token counts, allocating their KV blocks."""
+    def schedule(self, busy: Set[int] = frozenset(), max_seqs: int | None = None) -> ScheduledBatch:
+        """Pick this step's sequences and token counts, allocating their KV blocks.
+
+        ``busy``: ids of sequences whose last step is still running (a
+        pipeline's batches in flight): they are neither scheduled nor
+        preempted. ``max_seqs``: at most this many sequences in the batch.
+        """
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
+        max_seqs = self.max_num_seqs if max_seqs is None else max_seqs
         preemptions_before = self.num_preemptions
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if budget <= 0:
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in busy:
+                continue  # preempted earlier in this loop, or still in flight
+            if budget <= 0 or len(batch) >= max_seqs:
                 break
             num_new = min(seq.num_uncomputed_tokens, budget) if self.chunked_prefill else seq.num_uncomputed_tokens
-            if self._reserve_or_preempt(seq, num_new):
+            if self._reserve_or_preempt(seq, num_new, busy):
                 self._add_to_batch(batch, seq, num_new)
                 budget -= num_new
         if self.num_preemptions == preemptions_before:  # no room was short: let newcomers in
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, budget, max_seqs)
         return batch
 
-    def _reserve_or_preempt(self, seq: Sequence, num_new: int) -> bool:
-        """Allocate blocks for ``seq``, preempting newer sequences; False if ``seq`` itself was preempted."""
+    def _reserve_or_preempt(self, seq: Sequence, num_new: int, busy: Set[int] = frozenset()) -> bool:
+        """Allocate blocks for ``seq``, preempting newer sequences; False if ``seq`` itself was preempted
+        (or only sequences in flight could make room: ``seq`` waits for them)."""
         while not self.block_manager.can_allocate(seq, num_new):
-            victim = self.running[-1]
+            victim = next((s for s in reversed(self.running) if s.seq_id not in busy), None)
+            if victim is None:
+                return False
             self._preempt(victim)
             if victim is seq:
                 return False
         self.block_manager.allocate(seq, num_new)
         return True
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, max_seqs: int | None = None) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0:
+        max_seqs = self.max_num_seqs if max_seqs is None else max_seqs
+        while self.waiting and budget > 0 and len(batch) < max_seqs:
             seq = self.waiting[0]
             if self._num_slots_taken() + seq.num_slots > self.max_num_seqs:
                 break

@@ -13,6 +13,7 @@ turns those into Hugging Face tensor names for the loader.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -22,6 +23,31 @@ from kunlun_infer.layers import LayerContext, WeightSpec
 from kunlun_infer.layers.linear import heads_per_rank
 from kunlun_infer.models.config import ModelArchConfig
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpan:
+    """Layers ``start .. end-1`` of a model of ``total`` layers (the whole model by default)."""
+
+    start: int
+    end: int
+    total: int
+
+    @classmethod
+    def whole(cls, total: int) -> LayerSpan:
+        return cls(0, total, total)
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.total
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
 
 
 class CausalLM(nn.Module):
@@ -39,6 +65,9 @@ class CausalLM(nn.Module):
     #: with several tensor-parallel ranks, the plugin failures this rank's step held back (see the loader)
     deferred_failures: Any = None
     config: ModelArchConfig
+    #: the layers this rank runs (a pipeline stage's; the whole model without pipeline parallelism)
+    span: LayerSpan
+    #: layers this rank runs (and holds KV for)
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -60,11 +89,16 @@ class CausalLM(nn.Module):
         return self.ctx.attention
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
-                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, ...]],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         """``[T]`` token ids and positions → ``[T, hidden]``; the backend writes the tokens' K/V to ``kv_caches``.
 
         ``attn``: the attention backend's metadata for the step; ``kv_caches``:
-        one tuple of cache tensors per layer, in the backend's layout.
+        one tuple of cache tensors per layer of :attr:`span`, in the
+        backend's layout. On a pipeline stage after the first,
+        ``intermediate`` is the stage before's ``(hidden, residual)`` (and
+        ``input_ids`` is unused); a stage before the last returns its own
+        ``(hidden, residual)`` instead of the normed hidden states.
         """
         raise NotImplementedError
 
@@ -88,10 +122,15 @@ class CausalLM(nn.Module):
         return tensors
 
     def is_ignored_tensor(self, name: str) -> bool:
-        """True for checkpoint tensors the model may skip (e.g. ``lm_head.weight`` when tied)."""
+        """True for checkpoint tensors the model may skip (e.g. ``lm_head.weight`` when tied, or the tensors
+        of layers another pipeline stage runs)."""
         if self.config.tie_word_embeddings and name == "lm_head.weight":
             return True
-        return name.endswith(self.ignored_tensor_suffixes)
+        return name.endswith(self.ignored_tensor_suffixes) or not self.owns_tensor(name)
+
+    def owns_tensor(self, name: str) -> bool:
+        """False for a checkpoint tensor of a part another pipeline stage holds (override per architecture)."""
+        return True
 
     def pack_weights(self) -> None:
         """Let the ops plugin prepare every linear weight once, after loading."""

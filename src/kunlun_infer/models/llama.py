@@ -26,7 +26,8 @@ from kunlun_infer.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from kunlun_infer.models.base import CausalLM
+from kunlun_infer.layers import WeightSpec
+from kunlun_infer.models.base import CausalLM, LayerSpan
 from kunlun_infer.models.config import ModelArchConfig
 
 
@@ -90,20 +91,30 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int):
+    """The decoder layers of ``span`` (the embedding only on the first stage, the final norm only on the last).
+
+    Layers keep their checkpoint index as their name (``layers.10``), so a
+    later pipeline stage reads the same tensor names as the whole model.
+    """
+
+    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int, span: LayerSpan):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx) \
+            if span.is_first else None
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings, ctx)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb, ctx)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, self.rotary_emb, ctx)
+                                     for i in range(span.start, span.end)})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if span.is_last else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
-                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                kv_caches: list[tuple[torch.Tensor, ...]],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, attn, kv_cache)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -114,19 +125,41 @@ class LlamaForCausalLM(CausalLM):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int):
+    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int,
+                 span: LayerSpan | None = None):
         super().__init__(config, ctx)
-        self.model = LlamaModel(config, ctx, max_positions)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, tied_to=tied)
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        self.span = span = span if span is not None else LayerSpan.whole(config.num_hidden_layers)
+        self.model = LlamaModel(config, ctx, max_positions, span)
+        self.lm_head = None
+        if span.is_last:
+            # a last stage without the embedding reads the tied table itself, under the embedding's name
+            tied = self.model.embed_tokens if config.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, tied_to=tied)
+        self.num_layers = span.num_layers
+        self.num_kv_heads = next(iter(self.model.layers.values())).self_attn.num_kv_heads
         self.head_dim = config.head_dim
         self.max_positions = max_positions
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
-                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        return self.model(input_ids, positions, attn, kv_caches)
+                kv_caches: list[tuple[torch.Tensor, ...]],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        return self.model(input_ids, positions, attn, kv_caches, intermediate)
+
+    def checkpoint_tensors(self) -> dict[str, tuple[nn.Module, WeightSpec]]:
+        tensors = super().checkpoint_tensors()
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is None:
+            tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
+        return tensors
+
+    def owns_tensor(self, name: str) -> bool:
+        span = self.span
+        if name.startswith("model.layers."):
+            return span.start <= int(name.split(".")[2]) < span.end
+        if name.startswith("model.embed_tokens."):
+            return span.is_first or (span.is_last and self.config.tie_word_embeddings)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return span.is_last
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

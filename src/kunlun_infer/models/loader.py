@@ -19,12 +19,12 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from kunlun_infer.capabilities import Streams
+from kunlun_infer.capabilities import Comm, Streams
 from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.errors import ModelLoadError
 from kunlun_infer.layers import LayerContext
 from kunlun_infer.layers.quantization import Quantization
-from kunlun_infer.models.base import CausalLM
+from kunlun_infer.models.base import CausalLM, LayerSpan
 from kunlun_infer.models.config import ModelArchConfig, load_model_config, read_json
 from kunlun_infer.models.llama import LlamaForCausalLM
 from kunlun_infer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -177,8 +177,15 @@ def _overlap_streams(runtime: ModelRuntime, tp_size: int) -> Streams | None:
 
 
 def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-               max_model_len: int | None = None, quantization: Quantization | None = None) -> CausalLM:
+               max_model_len: int | None = None, quantization: Quantization | None = None,
+               span: LayerSpan | None = None, tp_comm: Comm | None = None, defer_failures: bool = False) -> CausalLM:
     """Load the model in ``model_dir`` for rank ``tp_rank`` of ``tp_size`` on the runtime's device.
+
+    ``span``: the layers of this rank's pipeline stage (default: all);
+    ``tp_comm``: the comm of this rank's tensor-parallel group (default: the
+    runtime's); ``defer_failures``: hold plugin failures back to the end of a
+    step (see :class:`DeferredFailures`), which any rank of a group of more
+    than one needs (it is implied by ``tp_size > 1``).
 
     ``max_model_len`` sizes the rotary table (default: the model's
     ``max_context_len``). Ops are resolved through ``runtime.resolve_ops``;
@@ -201,14 +208,15 @@ def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dty
     required = cls.required_ops + (quantization.required_ops if quantization is not None else ())
     ops, attention = resolve_attention(runtime, required, spec)
     ctx = LayerContext(ops=ops, device=runtime.device.torch_device, attention=attention,
-                       dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, comm=runtime.comm if tp_size > 1 else None,
+                       dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+                       comm=(tp_comm or runtime.comm) if tp_size > 1 else None,
                        streams=_overlap_streams(runtime, tp_size), quantization=quantization)
     try:
-        model = cls(config, ctx, max_model_len)
+        model = cls(config, ctx, max_model_len, span)
     except ValueError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: cannot split this model over {tp_size} ranks: {e}") from e
     load_weights(model, model_dir, index)
-    if tp_size > 1:  # a failing kernel must not leave the other ranks waiting in a collective
+    if tp_size > 1 or defer_failures:  # a failing kernel must not leave the other ranks waiting in a collective
         model.deferred_failures = DeferredFailures()
         if isinstance(ops, OpTable):
             ops.defer_failures(model.deferred_failures)

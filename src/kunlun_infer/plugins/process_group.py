@@ -19,8 +19,10 @@ and, where the backend needs it, :meth:`ProcessGroupComm.release_group`.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -51,6 +53,11 @@ class ProcessGroupComm(Comm):
         self.default_accumulate_dtype = accumulate_dtype
         self._group: Any = None
         self._store: Any = None
+        self._timeout = datetime.timedelta(seconds=COMM_TIMEOUT_S)
+        #: the comms of this group's subgroups, destroyed with it
+        self._subgroups: list[ProcessGroupComm] = []
+        #: this group's ranks in the group it was split from (``None`` for a group of its own)
+        self.parent_ranks: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ what a backend overrides
 
@@ -78,7 +85,29 @@ class ProcessGroupComm(Comm):
         store, rank, world_size = next(dist.rendezvous(init_method or "env://", rank, world_size, timeout=timeout))
         self._store = dist.PrefixStore(f"kunlun_infer/{self.name}/", store)
         self._group = self.new_group(self._store, rank, world_size, timeout)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self._timeout = rank, world_size, timeout
+
+    def subgroup(self, ranks: Sequence[int]) -> ProcessGroupComm:
+        """A comm of the same backend over ``ranks``, on its own process group built from this group's store."""
+        ranks = tuple(int(r) for r in ranks)
+        if list(ranks) != sorted(set(ranks)) or not ranks or ranks[0] < 0 or ranks[-1] >= self.world_size \
+                or self.rank not in ranks:
+            raise ValueError(f"comm={self.name}: subgroup ranks {list(ranks)} must be ascending, distinct, within "
+                             f"0..{self.world_size - 1} and include this rank ({self.rank})")
+        sub = copy.copy(self)
+        sub._subgroups = []
+        sub._store = dist.PrefixStore(f"sub-{'-'.join(map(str, ranks))}/", self.store)
+        sub._group = None
+        sub._group = sub.new_group(sub._store, ranks.index(self.rank), len(ranks), self._timeout)
+        sub.rank, sub.world_size, sub.parent_ranks = ranks.index(self.rank), len(ranks), ranks
+        self._subgroups.append(sub)
+        return sub
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            raise RuntimeError(f"comm={self.name} used before init(rank=, world_size=, init_method=)")
+        return self._store
 
     @property
     def group(self) -> Any:
@@ -87,6 +116,9 @@ class ProcessGroupComm(Comm):
         return self._group
 
     def destroy(self) -> None:
+        subgroups, self._subgroups = self._subgroups, []
+        for sub in subgroups:
+            sub.destroy()
         group, self._group, self._store = self._group, None, None
         if group is not None:
             self.release_group(group)
@@ -139,6 +171,18 @@ class ProcessGroupComm(Comm):
             data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.broadcast(data, src)
         return obj if self.rank == src else pickle.loads(data.cpu().numpy().tobytes())  # noqa: S301 - peers only
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.group.send([tensor.contiguous()], dst, 0).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        with torch.inference_mode(False):  # the backend may write from its own thread (see all_gather)
+            buffer = torch.empty_like(work) if work.is_inference() else work
+        self.group.recv([buffer], src, 0).wait()
+        if buffer is not tensor:
+            tensor.copy_(buffer)
+        return tensor
 
     def barrier(self) -> None:
         # a one-element all-reduce on a control tensor is a barrier every backend implements

@@ -45,7 +45,7 @@ def refuse_targets(node: Any, path: str = "") -> None:
             if key == TARGET_KEY:
                 raise ConfigError(f"{full_key}: {_TARGET_MESSAGE}")
             refuse_targets(value, full_key)
-    elif isinstance(node, (ListConfig, list, tuple)):
+    elif isinstance(node, (ListConfig, list, tuple)) and not (isinstance(node, ListConfig) and node._is_none()):
         for index, item in enumerate(node):
             refuse_targets(item, f"{path}[{index}]")
 
@@ -150,6 +150,6 @@ def _walk(node: Any, path: str) -> None:
                 raise _unknown_key(full_key, object_type)
             if not OmegaConf.is_missing(node, key):
                 _walk(node._get_node(key), full_key)
-    elif isinstance(node, ListConfig):
+    elif isinstance(node, ListConfig) and not node._is_none():
         for index, item in enumerate(node):
             _walk(item, f"{path}[{index}]")

@@ -101,6 +101,8 @@ class Guard:
             return children[key][1]
         if isinstance(value, Event):
             return guard(value, plugin=self.plugin, capability="event")
+        if isinstance(value, Comm) and value is not self.inner:  # a subgroup answers for its plugin too
+            return guard(value, plugin=self.plugin, capability=self.capability)
         return value
 
     def __getattr__(self, attr: str) -> Any:  # members beyond the interface

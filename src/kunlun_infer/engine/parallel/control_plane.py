@@ -66,6 +66,8 @@ class RankStatus:
     free_bytes: int
     #: what went wrong (the load's error text, a step's failure detail); ``None`` when ``ok``
     error: Any = None
+    #: more numbers the rank reported (after loading a pipeline stage: its weight bytes and KV bytes per block)
+    extra: tuple[int, ...] = ()
 
 
 def pack_step(inputs: StepInputs) -> tuple[list[int], torch.Tensor]:
@@ -159,21 +161,22 @@ class ControlPlane:
 
 
 def exchange_status(comm: Comm, device: torch.device, *, ok: bool, free_bytes: int,
-                    error: Any) -> list[RankStatus]:
+                    error: Any, extra: tuple[int, ...] = ()) -> list[RankStatus]:
     """Every rank tells every other whether it succeeded (and how much memory it has left).
 
     A collective all ranks call after ``LOAD`` and after each ``STEP``; the
     error of each failed rank (its text, or any picklable detail) follows with
-    one ``broadcast_object`` from that rank.
+    one ``broadcast_object`` from that rank. ``extra``: more numbers, as many
+    on every rank.
     """
-    mine = torch.tensor([int(ok), int(free_bytes)], dtype=torch.int64, device=device)
-    table = comm.all_gather(mine.view(1, 2), 0).tolist()
+    mine = torch.tensor([int(ok), int(free_bytes), *map(int, extra)], dtype=torch.int64, device=device)
+    table = comm.all_gather(mine.view(1, -1), 0).tolist()
     statuses = []
-    for rank, (rank_ok, rank_free) in enumerate(table):
+    for rank, (rank_ok, rank_free, *rank_extra) in enumerate(table):
         text = None
         if not rank_ok:
             text = comm.broadcast_object(error if rank == comm.rank else None, rank)
-        statuses.append(RankStatus(rank, bool(rank_ok), int(rank_free), text))
+        statuses.append(RankStatus(rank, bool(rank_ok), int(rank_free), text, tuple(rank_extra)))
     return statuses
 
 

@@ -59,23 +59,25 @@ def local_rank() -> int:
 def resolve_parallel_config(cfg: DictConfig, place: Place | None = None) -> DictConfig:
     """``cfg`` with ``parallel.tensor_size`` and ``comm`` fit for the process layout (a copy if changed).
 
-    Under torchrun the world size is the tensor size (``parallel.tensor_size=1``,
-    the default, means "all of them"). With more than one rank, ``comm=single``
+    Under torchrun the world size is ``pipeline_size × tensor_size``
+    (``parallel.tensor_size=1``, the default, means "all the ranks of a stage"). With more than one rank, ``comm=single``
     is replaced by ``comm=gloo``, torch.distributed's portable backend; a
     device's own comm plugin (chosen with ``comm=<name>``) is faster.
     """
     place = place if place is not None else torchrun_place()
     check_ranges(cfg)
     size = int(cfg.parallel.tensor_size)
+    stages = int(cfg.parallel.get("pipeline_size", 1))
     changes: dict[str, object] = {}
     if place is not None and place.world_size > 1:
-        if size not in (1, place.world_size):
-            raise ConfigError(f"parallel.tensor_size={size} does not match the {place.world_size} processes "
-                              f"torchrun started; leave it out or set it to {place.world_size}")
-        if size != place.world_size:
-            changes["parallel.tensor_size"] = size = place.world_size
-    if size > 1 and str(cfg.comm.name) == SINGLE_PROCESS_COMM:
-        log.info("comm=%s serves one process; parallel.tensor_size=%d uses comm=%s", SINGLE_PROCESS_COMM, size,
+        if size * stages != place.world_size and (size != 1 or place.world_size % stages):
+            raise ConfigError(f"parallel.pipeline_size={stages} × parallel.tensor_size={size} does not match the "
+                              f"{place.world_size} processes torchrun started; leave parallel.tensor_size out or "
+                              f"make the product {place.world_size}")
+        if size * stages != place.world_size:
+            changes["parallel.tensor_size"] = size = place.world_size // stages
+    if size * stages > 1 and str(cfg.comm.name) == SINGLE_PROCESS_COMM:
+        log.info("comm=%s serves one process; %d ranks use comm=%s", SINGLE_PROCESS_COMM, size * stages,
                  PORTABLE_COMM)
         changes["comm.name"] = PORTABLE_COMM
     if not changes:

@@ -29,7 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine.model_runner import ModelRunner
 from kunlun_infer.engine.parallel.control_plane import ControlPlane, Kind, exchange_status, exchange_step_failures
+from kunlun_infer.engine.parallel.pipeline import PipelineLink, run_stage
+from kunlun_infer.engine.parallel.pipeline_driver import stage_memory
 from kunlun_infer.engine.parallel.placement import Place, resolve_parallel_config, torchrun_place
+from kunlun_infer.engine.parallel.stages import Grid
 from kunlun_infer.layers.quantization import Quantization
 from kunlun_infer.models import load_model
 from kunlun_infer.runtime import Runtime
@@ -92,12 +95,71 @@ class Worker:
         self.runner.resize_kv_cache(num_blocks)
 
 
+class PipelineWorker(Worker):
+    """A rank of a pipeline stage: messages come down the chain, activations from the stage before."""
+
+    def __init__(self, runtime: Runtime, pipeline_size: int, tensor_size: int) -> None:
+        super().__init__(runtime)
+        self.grid = Grid(pipeline_size, tensor_size, (1,) * pipeline_size)  # the layers come with LOAD
+        self.link = PipelineLink(runtime.comm, self.grid, runtime.device.torch_device)
+        self.stage_comm = None
+        if tensor_size > 1:
+            self.stage_comm = runtime.comm.subgroup(self.grid.stage_ranks(self.grid.stage_of(self.rank)))
+
+    def serve(self) -> None:
+        try:
+            while True:
+                message = self.link.receive_message()
+                if message.kind is Kind.STOP:
+                    self.link.outbox.flush(5.0)
+                    return
+                if message.kind is Kind.LOAD:
+                    if not self.load(self.runtime.comm.broadcast_object(None, 0)):
+                        return
+                elif message.kind is Kind.KV:
+                    self.resize_kv(message.num_blocks)
+                elif message.kind is Kind.STEP:
+                    run_stage(self.runner, self.link, message.inputs, tp_rank=self.grid.tp_rank_of(self.rank),
+                              hidden_size=self.runner.model.config.hidden_size, dtype=self.dtype)
+                self.link.outbox.check()
+        finally:
+            self.link.close()
+            if self.runner is not None:
+                self.runner.release_kv_cache()
+
+    def load(self, spec: dict[str, Any]) -> bool:
+        error, extra = None, (0, 0)
+        free_before = self.runtime.device.mem_get_info()[0]
+        try:
+            self.grid = Grid(self.grid.pipeline_size, self.grid.tensor_size, tuple(spec["stage_layers"]))
+            self.dtype = DTYPES[spec["dtype"]]
+            quantization = spec.get("quantization")
+            model = load_model(spec["model_path"], runtime=self.runtime, dtype=self.dtype,
+                               tp_rank=self.grid.tp_rank_of(self.rank), tp_size=self.grid.tensor_size,
+                               max_model_len=spec["max_model_len"], span=self.grid.span(self.grid.stage_of(self.rank)),
+                               tp_comm=self.stage_comm, defer_failures=True,
+                               quantization=None if quantization is None else Quantization(**quantization))
+            self.runner = ModelRunner(model, device=self.runtime.device.torch_device,
+                                      block_size=spec["block_size"], sampler=None, memory=self.runtime.memory)
+            extra = stage_memory(model, spec["block_size"])
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+            log.error("rank %d could not load its pipeline stage: %s", self.rank, exc)
+            error = f"{type(exc).__name__}: {exc}"
+        statuses = exchange_status(self.runtime.comm, self.runtime.device.torch_device, ok=error is None,
+                                   free_bytes=free_before, error=error, extra=extra)
+        return all(s.ok for s in statuses)
+
+
 def serve_rank(cfg: DictConfig, place: Place, init_method: str | None) -> None:
     """Build this rank's runtime, join the group, serve until ``STOP``, release everything."""
     runtime = Runtime.from_config(cfg, local_rank=place.local_rank)
     try:
         runtime.init_comm(rank=place.rank, world_size=place.world_size, init_method=init_method)
-        Worker(runtime).serve()
+        pipeline_size = int(cfg.parallel.get("pipeline_size", 1))
+        if pipeline_size > 1:
+            PipelineWorker(runtime, pipeline_size, int(cfg.parallel.tensor_size)).serve()
+        else:
+            Worker(runtime).serve()
     finally:
         runtime.close()
 
