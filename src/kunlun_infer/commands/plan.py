@@ -69,6 +69,11 @@ def _render(plan: Any) -> list[str]:
     else:
         lines += ["KV blocks: none fit — lower the weights (tensor_size, dtype), the activation peak "
                   "(scheduler.max_num_batched_tokens), or raise cache.memory_fraction"]
+    if d["pipeline"]:
+        lines += ["", f"pipeline stages (parallel.pipeline_layers overrides the split):",
+                  *(f"  {line}" for line in d["pipeline"].splitlines()),
+                  *(f"  stage {s['stage']}: weights {format_bytes(s['weights'])}, KV per block "
+                    f"{format_bytes(s['kv_bytes_per_block'])}, room for {s['num_blocks']} blocks" for s in d["stages"])]
     lines += [f"note: {n}" for n in d["notes"]]
     return lines
 

@@ -164,7 +164,7 @@ class LLMEngine:
                 memory_fraction=float(cfg.cache.memory_fraction), activation_bytes=activation_bytes,
                 comm_bytes=rt.comm.buffer_bytes(), max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
                 for free, weights, per_block in self.parallel.rank_memory]
-            self.kv_budget = min(budgets, key=lambda b: b.num_blocks)
+            self.kv_budget = min(budgets, key=lambda b: (b.num_blocks, b.blocks_by_memory))
             num_blocks = self.kv_budget.num_blocks
         else:
             # a draft model's weights and cache (in the same blocks) come out of the same memory

@@ -93,8 +93,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder layers of ``span`` (the embedding only on the first stage, the final norm only on the last).
 
-    Layers keep their checkpoint index as their name (``layers.10``), so a
-    later pipeline stage reads the same tensor names as the whole model.
+    Layers keep their checkpoint index (``layers.10``; another stage's layers
+    are empty placeholders), so a later pipeline stage reads the same tensor
+    names as the whole model.
     """
 
     def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int, span: LayerSpan):
@@ -103,15 +104,17 @@ class LlamaModel(nn.Module):
             if span.is_first else None
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings, ctx)
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, self.rotary_emb, ctx)
-                                     for i in range(span.start, span.end)})
+        self.span = span
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb, ctx)
+                                    if span.start <= i < span.end else nn.Identity()  # another stage's
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if span.is_last else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
                 kv_caches: list[tuple[torch.Tensor, ...]],
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
-        for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers[self.span.start:self.span.end], kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, attn, kv_cache)
         if self.norm is None:
             return hidden, residual
@@ -136,7 +139,7 @@ class LlamaForCausalLM(CausalLM):
             tied = self.model.embed_tokens if config.tie_word_embeddings else None
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, tied_to=tied)
         self.num_layers = span.num_layers
-        self.num_kv_heads = next(iter(self.model.layers.values())).self_attn.num_kv_heads
+        self.num_kv_heads = self.model.layers[span.start].self_attn.num_kv_heads
         self.head_dim = config.head_dim
         self.max_positions = max_positions
 

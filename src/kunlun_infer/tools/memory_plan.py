@@ -26,11 +26,13 @@ from omegaconf import DictConfig, open_dict
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, size_kv_cache
 from kunlun_infer.engine.model_runner import ModelRunner
+from kunlun_infer.engine.parallel.stages import Grid
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.startup import (choose_dtype, choose_max_model_len, estimate_activation_bytes,
                                          measure_activation_bytes, model_dir)
 from kunlun_infer.layers.quantization import Quantization, estimate_weight_bytes
 from kunlun_infer.models import load_model, load_model_config, model_class, resolve_dtype
+from kunlun_infer.models.base import LayerSpan
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
 from kunlun_infer.ops.reference_attention import ReferenceAttentionBackend
 from kunlun_infer.runtime import PluginManager, Runtime
@@ -61,6 +63,9 @@ class MemoryPlan:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: ``model.quantization`` when the weights are quantized (``None``: full precision)
     quantization: str | None = None
+    #: with pipeline parallelism: the stages' layers and ranks (``Grid.describe``), and each stage's figures
+    pipeline: str | None = None
+    stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def bytes_per_param(self) -> int:
@@ -96,7 +101,7 @@ class MemoryPlan:
             "num_blocks": b.num_blocks, "kv_tokens": b.num_blocks * self.layout.block_size,
             "max_model_len": b.max_model_len, "max_num_seqs": b.max_num_seqs,
             "max_concurrency": b.max_concurrency, "fits": self.fits, "notes": list(self.notes),
-            "quantization": self.quantization,
+            "quantization": self.quantization, "pipeline": self.pipeline, "stages": list(self.stages),
         }
 
 
@@ -129,8 +134,34 @@ def plan_attention_backend(cfg: DictConfig, spec: AttentionSpec, *, runtime: Run
     return backend if backend is not None else ReferenceAttentionBackend(spec)
 
 
+def _pipeline_plan(cfg: DictConfig, grid: Grid, *, device_memory: int | None, runtime: Runtime | None,
+                   plugin_manager: Any) -> MemoryPlan:
+    """The plan of each pipeline stage (estimated, for one rank of it): the tightest one is the engine's.
+
+    Every stage gets the same number of KV blocks (a sequence's blocks are
+    the same on every stage), so the stage whose memory holds the fewest
+    decides; the returned plan is that stage's, with every stage's figures
+    in ``stages``.
+    """
+    plans = []
+    for stage in range(grid.pipeline_size):
+        span = grid.span(stage)
+        plan = make_plan(with_overrides(cfg, parallel__pipeline_size=1, parallel__pipeline_layers=None),
+                         device_memory=device_memory, runtime=runtime, measure=False,
+                         plugin_manager=plugin_manager, span=span)
+        plans.append((stage, span, plan))
+    tightest = min(plans, key=lambda p: (p[2].budget.num_blocks, p[2].budget.blocks_by_memory))[2]
+    tightest.pipeline = grid.describe()
+    tightest.stages = [{"stage": stage, "layers": [span.start, span.end - 1], "weights": plan.weight_bytes,
+                        "kv_bytes_per_block": plan.layout.bytes_per_block, "num_blocks": plan.budget.num_blocks}
+                       for stage, span, plan in plans]
+    tightest.notes.append(f"parallel.pipeline_size={grid.pipeline_size}: every stage holds the same number of KV "
+                          f"blocks for its own layers; the tightest stage decides (figures above are its)")
+    return tightest
+
+
 def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Runtime | None = None,
-              measure: bool = True, plugin_manager: Any = None) -> MemoryPlan:
+              measure: bool = True, plugin_manager: Any = None, span: LayerSpan | None = None) -> MemoryPlan:
     """Plan ``cfg``'s model on ``device_memory`` bytes per rank, or on ``runtime``'s device when ``None``.
 
     ``runtime`` (optional when ``device_memory`` is given) supplies the
@@ -144,7 +175,10 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Run
     folder = model_dir(cfg.model.path)
     arch = load_model_config(folder)
     tp = int(cfg.parallel.tensor_size)
-    shapes = model_shapes(folder, tensor_size=tp)
+    grid = Grid.from_config(cfg, arch.num_hidden_layers)
+    if grid.pipeline_size > 1:
+        return _pipeline_plan(cfg, grid, device_memory=device_memory, runtime=runtime, plugin_manager=plugin_manager)
+    shapes = model_shapes(folder, tensor_size=tp, span=span)
     notes: list[str] = []
     if device_memory is None:
         dtype = choose_dtype(str(cfg.model.dtype), arch.torch_dtype, runtime.device)
@@ -160,7 +194,7 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Run
     quantization = Quantization.from_config(cfg.model)
     weight_bytes = shapes.params_per_rank * torch.empty((), dtype=dtype).element_size()
     if quantization is not None:  # int8 weights: counted module by module on the model's shapes
-        weight_bytes = estimate_weight_bytes(meta_model(arch, tensor_size=tp, max_model_len=1),
+        weight_bytes = estimate_weight_bytes(meta_model(arch, tensor_size=tp, max_model_len=1, span=span),
                                              torch.empty((), dtype=dtype).element_size(), quantization)
     warm_tokens = _warm_up_tokens(cfg, max_model_len)
     activations = estimate_activation_bytes(arch, dtype, warm_tokens, max_num_seqs)

@@ -18,6 +18,7 @@ import torch
 from kunlun_infer.errors import ModelLoadError
 from kunlun_infer.layers import LayerContext
 from kunlun_infer.models import load_model_config
+from kunlun_infer.models.base import LayerSpan
 from kunlun_infer.models.loader import model_class
 
 
@@ -39,12 +40,13 @@ class _NoComm:
 
 
 def meta_model(arch: Any, *, tensor_size: int = 1, max_model_len: int | None = None,
-               dtype: torch.dtype = torch.float32) -> Any:
-    """Rank 0's model of ``tensor_size`` ranks, built on the meta device (no memory, no weights)."""
+               dtype: torch.dtype = torch.float32, span: LayerSpan | None = None) -> Any:
+    """Rank 0's model of ``tensor_size`` ranks (of the pipeline stage running ``span``), built on the meta
+    device (no memory, no weights)."""
     ctx = LayerContext(ops=None, device=torch.device("meta"), dtype=dtype, tp_rank=0, tp_size=tensor_size,
                        comm=_NoComm() if tensor_size > 1 else None)
     try:
-        return model_class(arch)(arch, ctx, max_model_len or arch.max_context_len)
+        return model_class(arch)(arch, ctx, max_model_len or arch.max_context_len, span)
     except ValueError as exc:
         raise ModelLoadError(f"{arch.architecture}: cannot split this model over parallel.tensor_size="
                              f"{tensor_size}: {exc}") from exc
@@ -54,11 +56,13 @@ def _param_count(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_shapes(model_dir: str | Path, *, tensor_size: int = 1) -> ModelShapes:
-    """Sizes of the model in ``model_dir`` (only ``config.json`` is read) on one of ``tensor_size`` ranks."""
+def model_shapes(model_dir: str | Path, *, tensor_size: int = 1, span: LayerSpan | None = None) -> ModelShapes:
+    """Sizes of the model in ``model_dir`` (only ``config.json`` is read) on one of ``tensor_size`` ranks
+    (of the pipeline stage running ``span``; default: the whole model)."""
     arch = load_model_config(model_dir)
     whole = meta_model(arch, max_model_len=1)
-    rank = whole if tensor_size == 1 else meta_model(arch, tensor_size=tensor_size, max_model_len=1)
+    rank = whole if tensor_size == 1 and span is None else meta_model(arch, tensor_size=tensor_size,
+                                                                       max_model_len=1, span=span)
     return ModelShapes(architecture=arch.architecture, num_params=_param_count(whole),
                        params_per_rank=_param_count(rank), num_layers=rank.num_layers,
                        num_kv_heads=rank.num_kv_heads, head_dim=rank.head_dim,
