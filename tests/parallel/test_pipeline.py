@@ -23,11 +23,14 @@ from kunlun_infer.engine.parallel.stages import Grid, split_layers
 from kunlun_infer.plugins.cpu_comm import GlooComm
 from tests.engine.tiny_models import build_tiny_model, hf_greedy
 from tests.parallel.conftest import overrides
-from tests.parallel.test_failures import TIMEOUT_S, gone, my_workers, steps_until_worker_error
+from tests.parallel.test_failures import gone, my_workers, steps_until_worker_error
+from tests.platforms import require_simchip
 from tests.parallel.test_tensor_parallel import (LAUNCH_TIMEOUT_S, TEXT_PROMPTS, generate_command, json_tokens,
                                                  prompts, run_all)
 
 MAX_TOKENS = 8
+#: comm.timeout_s of the failure tests: a hung stage is noticed after it (and a spawned rank must join within it)
+TIMEOUT_S = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
 
@@ -78,10 +81,13 @@ def test_layers_split_evenly_or_as_asked_and_a_bad_split_names_the_key():
 # ---------------------------------------------------------------------- tokens
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_two_stages_generate_the_tokens_of_transformers(arch, tiny_model, references):
+@pytest.mark.parametrize("arch,platform", [("llama", "cpu"), ("qwen2", "cpu"), ("qwen3", "cpu"),
+                                           ("llama", "simchip")])
+def test_two_stages_generate_the_tokens_of_transformers(arch, platform, tiny_model, references):
+    if platform == "simchip":
+        require_simchip()  # its tensors are host tensors underneath: gloo passes them between stages
     folder = tiny_model(arch)  # qwen2: tied embeddings, so the last stage reads the embedding as its head
-    with LLM(model=str(folder), overrides=pp(2)) as llm:
+    with LLM(model=str(folder), overrides=pp(2, 1, f"platform={platform}")) as llm:
         assert llm.config.comm.name == "gloo" and len(my_workers()) == 1
         assert llm.engine.runner.model.lm_head is None  # rank 0 holds the first stage only
         got = [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
@@ -129,14 +135,19 @@ def test_two_batches_in_flight_hold_different_sequences_and_the_tightest_stage_s
             return submit(scheduled, *args)
 
         engine.runner.submit = spy
+        doomed = engine.add_request(list(range(30)), GREEDY)
         ids = [engine.add_request(p, GREEDY) for p in batch]
-        finished: dict[str, list[int]] = {}
+        engine.step()
+        assert doomed in {s.request_id for b, _ in engine._in_flight for s in b.seqs}
+        engine.abort(doomed)  # while its step is in the pipeline: its blocks come back, its tokens are dropped
+        finished: dict[str, Any] = {}
         while engine.has_unfinished():
             for out in engine.step():
                 if out.finished:
-                    finished[out.request_id] = out.token_ids
+                    finished[out.request_id] = out
         stats = engine.stats()
-    assert [finished[i] for i in ids] == references(four_layers, batch)
+    assert [finished[i].token_ids for i in ids] == references(four_layers, batch)
+    assert finished[doomed].finish_reason == "abort" and finished[doomed].token_ids == []
     overlapping = [(new, flying) for new, flying in submits if flying]
     assert len(overlapping) > len(submits) // 2  # most batches went in while another was in the pipeline
     assert all(not new & seqs for new, flying in submits for seqs in flying)  # never one sequence twice
@@ -234,6 +245,8 @@ def test_a_stage_that_dies_or_hangs_mid_generation_raises_worker_error(how, tiny
     llm = LLM(model=str(tiny_model("llama")), overrides=pp(2) + [f"comm.timeout_s={TIMEOUT_S}"])
     try:
         (pid,) = llm.engine.parallel.workers.pids
+        if how == "killed":  # idle past the timeout first: heartbeats travel the chain and keep the stage waiting
+            time.sleep(TIMEOUT_S * 1.5)
         requests = [llm.engine.add_request(list(range(1, 20 + k)), SamplingParams(max_tokens=400, temperature=0,
                                                                                   ignore_eos=True))
                     for k in range(4)]

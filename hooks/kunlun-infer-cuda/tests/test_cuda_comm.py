@@ -78,6 +78,23 @@ class RecordingGroup:
         return getattr(self.group, attr)
 
 
+def test_point_to_point_and_a_subgroup_of_some_ranks(tmp_path):
+    def body(comm):
+        r = comm.rank
+        if r == 0:
+            comm.send(torch.arange(4.0), 2)
+            comm.send(torch.full((2,), 9.0), 2)
+            return None
+        stage = comm.subgroup([1, 2])  # ranks 1 and 2 only, as a pipeline stage's tensor-parallel group
+        summed = stage.all_reduce(torch.full((1,), float(r))).item()
+        got = [comm.recv(torch.zeros(4), 0).tolist(), comm.recv(torch.zeros(2), 0).tolist()] if r == 2 else None
+        return stage.rank, stage.world_size, summed, got
+
+    results = run_ranks(3, body, tmp_path)
+    assert results[1] == (0, 2, 3.0, None)
+    assert results[2] == (1, 2, 3.0, [[0.0, 1.0, 2.0, 3.0], [9.0, 9.0]])  # in the order sent
+
+
 def test_low_precision_all_reduce_is_carried_out_in_the_accumulate_dtype(tmp_path):
     wire_dtypes = []
 

@@ -57,8 +57,8 @@ class RecordingDist:
         self.calls.append(("init_process_group", backend, rank, world_size))
         self.world = (rank, world_size)
 
-    def new_group(self, *, ranks, backend, timeout):
-        self.calls.append(("new_group", backend, tuple(ranks), dict(self.environ)))
+    def new_group(self, *, ranks, backend, timeout, **options):
+        self.calls.append(("new_group", backend, tuple(ranks), dict(self.environ), *options.items()))
         group = FakeGroup(len(ranks) if self.answered is None else self.answered)
         self.groups.append(group)
         return group
@@ -82,7 +82,8 @@ def test_the_group_comes_from_new_group_by_backend_name_after_the_variables_are_
     comm.init(rank=0, world_size=2, init_method=url, timeout_s=5)
     calls = comm.dist.calls
     assert calls[0] == ("init_process_group", "gloo", 0, 2)  # a host-side parent for new_group
-    kind, backend, ranks, env_at_creation = calls[1]
+    kind, backend, ranks, env_at_creation, *options = calls[1]
+    assert options == []
     assert (kind, backend, ranks) == ("new_group", "nccl", (0, 1))
     assert env_at_creation == {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "BKCL_TREE_THRESHOLD": "0",
                                "BKCL_FORCE_L3_RDMA": "0"}
@@ -90,6 +91,20 @@ def test_the_group_comes_from_new_group_by_backend_name_after_the_variables_are_
     comm.destroy()
     assert comm.dist.calls[-2:] == [("destroy", "group"), ("destroy", "default")]
     assert not comm.dist.is_initialized()
+
+
+def test_a_pipeline_stages_group_comes_from_new_group_by_backend_name_over_its_ranks_alone(tmp_path):
+    comm, url = make_comm(tmp_path)
+    comm.init(rank=2, world_size=4, init_method=url, timeout_s=5)
+    stage = comm.subgroup([2, 3])
+    assert comm.dist.calls[-1][:3] == ("new_group", "nccl", (2, 3))
+    assert comm.dist.calls[-1][4:] == (("use_local_synchronization", True),)  # ranks 0 and 1 never call it
+    assert (stage.rank, stage.world_size) == (0, 2)
+    assert float(stage.all_reduce(torch.ones(1)).item()) == 2.0  # on the stage's own group
+    with pytest.raises(ValueError, match=r"must be ascending, distinct, within 0..3 and include this rank \(2\)"):
+        comm.subgroup([0, 1])
+    comm.destroy()  # the stage's group first, then the whole group and the default group, once
+    assert comm.dist.calls[-3:] == [("destroy", "group"), ("destroy", "group"), ("destroy", "default")]
 
 
 def test_an_applications_world_over_the_same_ranks_is_reused_and_left_alone(tmp_path):

@@ -14,7 +14,9 @@ subclasses it and overrides only what its backend changes:
   :meth:`~ProcessGroupComm.broadcast_object` and :meth:`~ProcessGroupComm.barrier`
   live (the host by default; a device backend wants its device);
 
-and, where the backend needs it, :meth:`ProcessGroupComm.release_group`.
+and, where the backend needs it, :meth:`ProcessGroupComm.release_group` and
+:meth:`ProcessGroupComm.new_subgroup` (the group of some ranks, hook API 1.4).
+Point-to-point ``send``/``recv`` (hook API 1.4) are the process group's own.
 """
 
 from __future__ import annotations
@@ -98,10 +100,15 @@ class ProcessGroupComm(Comm):
         sub._subgroups = []
         sub._store = dist.PrefixStore(f"sub-{'-'.join(map(str, ranks))}/", self.store)
         sub._group = None
-        sub._group = sub.new_group(sub._store, ranks.index(self.rank), len(ranks), self._timeout)
+        sub._group = sub.new_subgroup(ranks, sub._store, self._timeout)
         sub.rank, sub.world_size, sub.parent_ranks = ranks.index(self.rank), len(ranks), ranks
         self._subgroups.append(sub)
         return sub
+
+    def new_subgroup(self, ranks: tuple[int, ...], store: Any, timeout: datetime.timedelta) -> Any:
+        """The process group over ``ranks`` of this group (``store``: prefixed for it); :meth:`new_group`'s
+        by default. Called on a copy of this comm that becomes the subgroup's."""
+        return self.new_group(store, ranks.index(self.rank), len(ranks), timeout)
 
     @property
     def store(self) -> Any:

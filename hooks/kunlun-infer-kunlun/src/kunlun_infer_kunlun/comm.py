@@ -81,6 +81,12 @@ class BkclComm(DistComm):
             self._release_default_group()
             raise
 
+    def new_subgroup(self, ranks: tuple[int, ...], store: Any, timeout: datetime.timedelta) -> Any:
+        """A pipeline stage's group, by backend name like the whole one; only its ranks take part."""
+        self._owns_default_group = False  # this copy becomes the subgroup's comm: the default group is not its
+        return self.dist.new_group(ranks=list(ranks), backend=self.group_backend, timeout=timeout,
+                                   use_local_synchronization=True)
+
     def warm_up(self) -> None:
         """One all-reduce of ones: creates the communicator now and checks that all ranks answered."""
         probe = torch.ones(1, dtype=torch.float32, device=self.control_device)
