@@ -18,6 +18,7 @@ import torch
 
 from kunlun_infer import LLM, ConfigError, SamplingParams, WorkerError
 from kunlun_infer.capabilities import Comm, has_point_to_point
+from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.engine.parallel.placement import free_loopback_port
 from kunlun_infer.engine.parallel.stages import Grid, split_layers
 from kunlun_infer.plugins.cpu_comm import GlooComm
@@ -25,8 +26,7 @@ from tests.engine.tiny_models import build_tiny_model, hf_greedy
 from tests.parallel.conftest import overrides
 from tests.parallel.test_failures import gone, my_workers, steps_until_worker_error
 from tests.platforms import require_simchip
-from tests.parallel.test_tensor_parallel import (LAUNCH_TIMEOUT_S, TEXT_PROMPTS, generate_command, json_tokens,
-                                                 prompts, run_all)
+from tests.parallel.test_tensor_parallel import TEXT_PROMPTS, generate_command, json_tokens, prompts, run_all
 
 MAX_TOKENS = 8
 #: comm.timeout_s of the failure tests: a hung stage is noticed after it (and a spawned rank must join within it)
@@ -205,36 +205,51 @@ class CommBefore14(Comm):
         self.gloo.destroy()
 
 
-def test_a_comm_written_for_hook_api_1_3_still_reduces_and_is_refused_for_a_pipeline_by_name(tiny_model):
-    from kunlun_infer.engine.parallel.pipeline_driver import PipelineGroup
-    from kunlun_infer.runtime.guard import guard
+class PluginBefore14:
+    """A comm plugin of hook API 1.3's day, registered like any other."""
 
+    @hookimpl
+    def kunlun_infer_plugin_info(self):
+        return PluginInfo(name="old-comm", version="0.9.0", api=">=1.0,<2", capabilities=("comm",))
+
+    @hookimpl
+    def kunlun_infer_comm_factories(self):
+        return {"gloo-1.3": lambda *, config, device: CommBefore14()}
+
+
+def test_a_comm_plugin_written_for_hook_api_1_3_loads_reduces_and_is_refused_for_a_pipeline_by_name(tiny_model):
+    from kunlun_infer import compose_config
+    from kunlun_infer.engine.engine import LLMEngine
+    from kunlun_infer.runtime import PluginManager, Runtime
+
+    manager = PluginManager.load(entry_points=False)
+    manager.register(PluginBefore14())
+    cfg = compose_config(pp(2, 1, "comm=gloo-1.3", f"model.path={tiny_model('llama')}"), plugin_manager=manager)
+    runtimes = [Runtime.from_config(cfg, plugin_manager=manager) for _ in range(2)]
+    assert runtimes[0].plugin_for("comm") == "old-comm"
     url = f"tcp://127.0.0.1:{free_loopback_port()}"
-    comms = [guard(CommBefore14(), plugin="old-comm", capability="comm", interface=Comm) for _ in range(2)]
     sums: list[Any] = [None, None]
 
-    def rank(r: int) -> None:
-        comms[r].init(rank=r, world_size=2, init_method=url, timeout_s=10)
-        sums[r] = comms[r].all_reduce(torch.tensor([float(r + 1)])).item()
+    def rank(r: int) -> None:  # two ranks in threads: the 1.3 plugin's collectives run as they always did
+        runtimes[r].init_comm(rank=r, world_size=2, init_method=url)
+        sums[r] = runtimes[r].comm.all_reduce(torch.tensor([float(r + 1)])).item()
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    assert sums == [3.0, 3.0]
-    assert not has_point_to_point(comms[0]) and has_point_to_point(GlooComm())
-    with pytest.raises(Exception, match=r"comm=gloo-1.3 .* no point-to-point send/recv .*hook API 1.4"):
-        comms[0].send(torch.zeros(1), 1)
-
-    class Runtime:  # enough of a runtime for the check made before any rank is started
-        comm = comms[0]
-
-    with pytest.raises(ConfigError, match=r"comm=gloo-1.3 .*pipeline parallelism \(parallel.pipeline_size > 1\)"):
-        PipelineGroup.start_pipeline(None, Runtime(), Grid(2, 1, (1, 1)))
-    assert my_workers() == []
-    for c in comms:
-        c.destroy()
+    try:
+        assert sums == [3.0, 3.0]
+        assert not has_point_to_point(runtimes[0].comm) and has_point_to_point(GlooComm())
+        with pytest.raises(Exception, match=r"comm=gloo-1.3 .* no point-to-point send/recv .*hook API 1.4"):
+            runtimes[0].comm.send(torch.zeros(1), 1)
+        with pytest.raises(ConfigError, match=r"comm=gloo-1.3 .*pipeline parallelism \(parallel.pipeline_size > 1\)"):
+            LLMEngine(cfg, runtime=runtimes[0])  # refused before any rank is started
+        assert my_workers() == []
+    finally:
+        for rt in runtimes:
+            rt.close()
 
 
 # ---------------------------------------------------------------------- failures

@@ -67,3 +67,43 @@ def test_gloo_bf16_all_reduce_accumulates_in_float32_by_default():
 def test_gloo_used_before_init_says_so():
     with pytest.raises(RuntimeError, match="before init"):
         GlooComm().all_reduce(torch.ones(1))
+
+
+class OutOfOrderGloo(GlooComm):
+    """Delivers a rank's messages the wrong way round: what a broken point-to-point plugin would do."""
+
+    def recv(self, tensor, src):
+        if not hasattr(self, "held"):
+            self.held = super().recv(tensor.clone(), src)
+            second = super().recv(tensor, src)
+            return second
+        tensor.copy_(self.held)
+        return tensor
+
+
+@pytest.mark.parametrize("comm_class", [GlooComm, OutOfOrderGloo])
+def test_point_to_point_conformance_passes_gloo_and_catches_messages_out_of_order(comm_class):
+    from kunlun_infer.testing.comm import run_point_to_point
+    from kunlun_infer.testing.compare import ConformanceError
+
+    url, errors = f"tcp://127.0.0.1:{free_port()}", [None, None]
+
+    def rank(r):
+        comm = comm_class()
+        try:
+            comm.init(rank=r, world_size=2, init_method=url, timeout_s=20)
+            run_point_to_point(comm, torch.device("cpu"), r, 2)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            errors[r] = exc
+        finally:
+            comm.destroy()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if comm_class is GlooComm:
+        assert errors == [None, None]
+    else:
+        assert all(isinstance(e, ConformanceError) and "message 0" in str(e) for e in errors), errors

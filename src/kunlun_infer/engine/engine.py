@@ -11,6 +11,11 @@ requests and stop. A request for ``n`` samples gives one output per sample
 (``RequestOutput.index``); its samples share the prompt's KV blocks (one
 :class:`SampleGroup` per request, see ``engine/sample_group.py``).
 
+With pipeline stages (``parallel.pipeline_size``) a step sends a new batch
+down the pipeline and, once ``parallel.pipeline_batches`` are out (or nothing
+new can be scheduled), takes back the oldest; its outputs come with that
+step. A sequence is in at most one batch in flight.
+
 A step that fails (a plugin raises in an op or a collective, the framework
 trips) ends the requests of that step with ``finish_reason="abort"`` and
 ``error`` naming the plugin, hook and layer, frees their KV blocks and raises

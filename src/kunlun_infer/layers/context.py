@@ -3,7 +3,8 @@
 Layers never reach for a device or a global: a :class:`LayerContext` is passed
 in when a model is built. ``ops`` is the runtime's resolved op table (attribute
 access, ``ops.linear(...)``); ``attention`` the attention backend that owns
-the KV cache's layout and kernels; ``comm`` is the runtime's Comm, used only when
+the KV cache's layout and kernels; ``comm`` is the Comm of the layer's
+tensor-parallel group (the runtime's, or its pipeline stage's subgroup), used only when
 ``tp_size > 1``; ``streams`` is set only when the streams plugin has a comm
 stream of its own, so that all-reduces can overlap computation. Reading a
 layer's shard of a checkpoint tensor is :mod:`kunlun_infer.layers.weights`.

@@ -1,4 +1,5 @@
-"""Conformance of a comm plugin: collectives give exact results on every rank.
+"""Conformance of a comm plugin: collectives (and, from hook API 1.4, point to point and subgroups) give
+exact results on every rank.
 
 ``check_collectives`` spawns ``world_size`` processes (torch.multiprocessing,
 ``spawn``), each building the runtime from the same overrides and joining the
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kunlun_infer.capabilities import Comm
+from kunlun_infer.capabilities import Comm, has_point_to_point
 from kunlun_infer.testing.compare import ConformanceError
 from kunlun_infer.testing.harness import build_runtime
 
@@ -60,7 +61,30 @@ def run_collectives(comm: Comm, device: torch.device, rank: int, world: int) -> 
     obj = comm.broadcast_object({"step": 3, "ids": [1, 2]} if rank == 0 else None, src=0)
     if obj != {"step": 3, "ids": [1, 2]}:
         raise ConformanceError(f"comm: broadcast_object on rank {rank} gave {obj!r}")
+    if has_point_to_point(comm) and world > 1:
+        run_point_to_point(comm, device, rank, world)
     comm.barrier()
+
+
+def run_point_to_point(comm: Comm, device: torch.device, rank: int, world: int) -> None:
+    """Hook API 1.4: each rank passes two messages to the next in a ring, in order; then a subgroup reduces."""
+    after, before = (rank + 1) % world, (rank - 1) % world
+    sent = [torch.full((2, 3), float(10 * rank + k), device=device) for k in range(2)]
+    got = [torch.empty(2, 3, device=device) for _ in range(2)]
+    steps = [lambda: [comm.send(t, after) for t in sent], lambda: [comm.recv(t, before) for t in got]]
+    for step in (steps if rank % 2 == 0 else steps[::-1]):  # even ranks send first: no rank waits on itself
+        step()
+    for k in range(2):
+        _expect_equal(got[k], torch.full((2, 3), float(10 * before + k)), f"recv(src={before}) message {k}", rank)
+    members = list(range(world - 1)) if world > 2 else list(range(world))
+    if rank in members:
+        sub = comm.subgroup(members)
+        if (sub.rank, sub.world_size) != (members.index(rank), len(members)):
+            raise ConformanceError(f"comm: subgroup({members}) on rank {rank} reports rank={sub.rank}, "
+                                   f"world_size={sub.world_size}")
+        t = torch.full((3,), float(rank + 1), device=device)
+        _expect_equal(sub.all_reduce(t), torch.full((3,), float(sum(r + 1 for r in members))),
+                      f"subgroup({members}).all_reduce", rank)
 
 
 def _worker(rank: int, world: int, init_method: str, overrides: list[str], modules: list[str],

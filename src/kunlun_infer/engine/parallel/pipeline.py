@@ -28,8 +28,8 @@ import torch
 
 from kunlun_infer.capabilities import Comm
 from kunlun_infer.engine.model_runner import StepInputs
-from kunlun_infer.engine.parallel.control_plane import (HEADER_LEN, INLINE_CAPACITY, Kind, Message, pack_step,
-                                                        payload_size, unpack_step)
+from kunlun_infer.engine.parallel.control_plane import (HEADER_LEN, INLINE_CAPACITY, Kind, Message, payload_size,
+                                                        unpack_step)
 from kunlun_infer.engine.parallel.stages import Grid
 from kunlun_infer.errors import PluginError
 

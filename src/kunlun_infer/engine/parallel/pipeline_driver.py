@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from kunlun_infer.capabilities import has_point_to_point, point_to_point_missing
 from kunlun_infer.dtypes import dtype_name
+from kunlun_infer.engine.kv_cache import KVLayout
 from kunlun_infer.engine.model_runner import ModelRunner, StepInputs, StepResult
 from kunlun_infer.engine.parallel.control_plane import Kind, exchange_status, pack_step
 from kunlun_infer.engine.parallel.driver import TensorParallelGroup
@@ -150,8 +151,6 @@ class PipelineGroup(TensorParallelGroup):
 
 def stage_memory(model: Any, block_size: int) -> tuple[int, int]:
     """A stage's weight bytes and KV bytes per block (what the tightest stage is found by)."""
-    from kunlun_infer.engine.kv_cache import KVLayout
-
     return model.weight_nbytes(), KVLayout(model.num_layers, block_size, model.attention).bytes_per_block
 
 

@@ -60,7 +60,8 @@ def resolve_parallel_config(cfg: DictConfig, place: Place | None = None) -> Dict
     """``cfg`` with ``parallel.tensor_size`` and ``comm`` fit for the process layout (a copy if changed).
 
     Under torchrun the world size is ``pipeline_size × tensor_size``
-    (``parallel.tensor_size=1``, the default, means "all the ranks of a stage"). With more than one rank, ``comm=single``
+    (``parallel.tensor_size=1``, the default, means "all the ranks of a
+    stage"). With more than one rank, ``comm=single``
     is replaced by ``comm=gloo``, torch.distributed's portable backend; a
     device's own comm plugin (chosen with ``comm=<name>``) is faster.
     """
