@@ -24,13 +24,11 @@ from kunlun_infer.engine.parallel.stages import Grid, split_layers
 from kunlun_infer.plugins.cpu_comm import GlooComm
 from tests.engine.tiny_models import build_tiny_model, hf_greedy
 from tests.parallel.conftest import overrides
-from tests.parallel.test_failures import gone, my_workers, steps_until_worker_error
+from tests.parallel.test_failures import TIMEOUT_S, gone, my_workers, steps_until_worker_error
 from tests.platforms import require_simchip
 from tests.parallel.test_tensor_parallel import TEXT_PROMPTS, generate_command, json_tokens, prompts, run_all
 
 MAX_TOKENS = 8
-#: comm.timeout_s of the failure tests: a hung stage is noticed after it (and a spawned rank must join within it)
-TIMEOUT_S = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
 
