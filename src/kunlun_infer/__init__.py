@@ -22,6 +22,7 @@ from kunlun_infer.version import __version__
 __all__ = [
     "ConfigError",
     "DeviceOutOfMemoryError",
+    "Fleet",
     "KunlunInferError",
     "LLM",
     "LLMEngine",
@@ -37,3 +38,14 @@ __all__ = [
     "__version__",
     "compose_config",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``kunlun_infer.Fleet`` on first use: it needs the ``cluster`` extra, which plain use of the engine does not."""
+    if name == "Fleet":
+        try:
+            from kunlun_infer.fleet import Fleet
+        except ImportError as exc:
+            raise ImportError(f"kunlun_infer.Fleet needs {exc.name}: pip install 'kunlun-infer[cluster]'") from exc
+        return Fleet
+    raise AttributeError(f"module 'kunlun_infer' has no attribute {name!r}")

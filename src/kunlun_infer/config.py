@@ -206,6 +206,52 @@ class SpeculativeConfig:
 
 
 @dataclasses.dataclass
+class ReplicaConfig:
+    """One replica of a fleet (``fleet.replicas.<name>``): how its engine differs, and what Ray reserves for it."""
+
+    #: Hydra overrides of this replica's engine, applied after the command line's (``[platform=simchip]``);
+    #: composed where the replica runs, so its node needs the plugins it names
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    #: Ray resources its actor reserves: ``{GPU: 1}``, ``{CPU: 4}``, a custom one (``{kunlun_xpu: 8}``)
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: identical copies of it (``name``, ``name-1``, ``name-2`` …)
+    count: int = 1
+
+
+@dataclasses.dataclass
+class FleetConfig:
+    """``fleet`` group: engine replicas as Ray actors behind one endpoint (``kunlun-infer serve fleet=<name>``).
+
+    Empty ``replicas`` (no ``fleet=`` chosen) means one engine in this process.
+    """
+
+    name: Optional[str] = None
+    replicas: dict[str, ReplicaConfig] = dataclasses.field(default_factory=dict)
+    #: the Ray cluster to join (``host:port`` that ``ray start --head`` printed); ``None`` = start one on this
+    #: machine, on 127.0.0.1 only, stopped with the fleet
+    address: Optional[str] = None
+    #: a cluster the fleet starts: the logical CPUs and GPUs and the custom resources it offers
+    #: (``None`` = what Ray detects)
+    num_cpus: Optional[int] = None
+    num_gpus: Optional[int] = None
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Ray restarts a replica's actor this often after it dies (-1 = always)
+    max_restarts: int = ranged(3, ">= -1", _at_least(-1))
+    #: seconds a replica may leave a poll unanswered before it is taken out of rotation and restarted
+    health_timeout_s: float = ranged(30.0, "> 0", lambda v: v > 0)
+    #: seconds a replica may take to load its engine (at start and after a restart)
+    start_timeout_s: float = ranged(600.0, "> 0", lambda v: v > 0)
+    #: prefix affinity: a request follows the replica caching its prompt's longest prefix when that prefix is at
+    #: least this many tokens and this share of the prompt …
+    affinity_min_tokens: int = ranged(32, ">= 1", _at_least(1))
+    affinity_min_share: float = ranged(0.5, "in [0, 1]", lambda v: 0 <= v <= 1)
+    #: … unless that replica's outstanding tokens (scaled by its measured speed) exceed the least loaded
+    #: replica's by both this many tokens and this factor
+    overload_tokens: int = ranged(2048, ">= 0", _at_least(0))
+    overload_factor: float = ranged(1.5, ">= 1", _at_least(1))
+
+
+@dataclasses.dataclass
 class KunlunConfig:
     """The whole composed config (root schema)."""
 
@@ -222,6 +268,7 @@ class KunlunConfig:
     platform: PlatformChoice = dataclasses.field(default_factory=PlatformChoice)
     structured: StructuredConfig = dataclasses.field(default_factory=StructuredConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    fleet: FleetConfig = dataclasses.field(default_factory=FleetConfig)
 
 
 #: the schema of each group, for plugin options to subclass (a platform option lists its five choices)

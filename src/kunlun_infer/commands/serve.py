@@ -25,6 +25,17 @@ def run(inv: Invocation) -> int:
     from kunlun_infer.server import model_name_for, serve
 
     cfg = inv.config()
+    if cfg.fleet.replicas:  # replicas on Ray behind this endpoint
+        from kunlun_infer.fleet import serve_fleet
+
+        def fleet_ready(host: str, port: int) -> None:
+            shown = f"[{host}]" if ":" in host else host
+            inv.print(f"serving '{model_name_for(cfg)}' from {len(cfg.fleet.replicas)} replica group(s) of fleet "
+                      f"'{cfg.fleet.name}' on http://{shown}:{port}  (OpenAI API under /v1; /health, /metrics "
+                      f"per replica; Ctrl-C to stop)", flush=True)
+
+        serve_fleet(inv.overrides, on_ready=fleet_ready)
+        return 0
     if serve_torchrun_worker(cfg):  # under torchrun, ranks above 0 serve rank 0's engine until it closes
         return 0
 
@@ -47,6 +58,7 @@ server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus).
 Examples:
   kunlun-infer serve
   kunlun-infer serve model.path=/models/qwen2 server.port=9000 server.max_queue=64
+  kunlun-infer serve fleet=cpu_simchip          # replicas on Ray behind one endpoint (conf/fleet/)
   torchrun --nproc-per-node 2 -m kunlun_infer serve model.path=/models/qwen2 comm=gloo
 """,
 )

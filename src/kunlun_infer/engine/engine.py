@@ -53,13 +53,14 @@ from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sample_group import SampleGroup
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
-from kunlun_infer.engine.startup import choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir
+from kunlun_infer.engine.startup import (choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir,
+                                        model_tokenizer)
 from kunlun_infer.engine.draft_model import DraftModelProposer
 from kunlun_infer.engine.speculative import CacheGeometry, SpeculationStats, Speculator, load_proposer
 from kunlun_infer.engine.structured import StructuredOutputs
 from kunlun_infer.errors import ConfigError, EngineStepError, KunlunInferError, RequestError, WorkerError
 from kunlun_infer.layers.quantization import Quantization
-from kunlun_infer.models import load_model, load_model_config, load_tokenizer
+from kunlun_infer.models import load_model, load_model_config
 from kunlun_infer.runtime import Runtime
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -112,7 +113,7 @@ class LLMEngine:
         self.quantization = Quantization.from_config(cfg.model)
         self.max_model_len = choose_max_model_len(cfg.model.max_model_len, arch.max_context_len)
         arch.check_max_model_len(self.max_model_len)
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = model_tokenizer(cfg.model.tokenizer, self.model_path)
         self.eos_token_ids = tuple(arch.eos_token_ids or getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.device = rt.device.torch_device
         free_before_weights = rt.device.mem_get_info()[0]
@@ -207,14 +208,6 @@ class LLMEngine:
         })
         log.info("engine ready: %s (%s), max_model_len=%d, %d KV blocks", self.model_path, self.dtype,
                  self.max_model_len, num_blocks)
-
-    def _load_tokenizer(self) -> Any:
-        folder = self.config.model.tokenizer or self.model_path
-        if self.config.model.tokenizer is None and not (self.model_path / "tokenizer.json").is_file():
-            log.warning("%s has no tokenizer.json: prompts must be token ids and outputs carry no text",
-                        self.model_path)
-            return None
-        return load_tokenizer(folder)
 
     # ------------------------------------------------------------------ requests
 

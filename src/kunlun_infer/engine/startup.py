@@ -22,6 +22,7 @@ from kunlun_infer.engine.scheduler import ScheduledBatch
 from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.errors import ConfigError, ModelLoadError
+from kunlun_infer.models import load_tokenizer
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -38,6 +39,14 @@ def model_dir(path: str | None) -> Path:
         raise ModelLoadError(f"{what}: no config.json in {folder}; point model.path at a Hugging Face "
                              f"model folder (config.json, *.safetensors, tokenizer.json)")
     return folder
+
+
+def model_tokenizer(tokenizer: str | None, folder: Path) -> Any:
+    """The tokenizer of ``model.tokenizer``, else of the model ``folder``; ``None`` when the folder has none."""
+    if tokenizer is None and not (folder / "tokenizer.json").is_file():
+        log.warning("%s has no tokenizer.json: prompts must be token ids and outputs carry no text", folder)
+        return None
+    return load_tokenizer(tokenizer or folder)
 
 
 def choose_dtype(requested: str, checkpoint_dtype: Any, device: Device) -> torch.dtype:

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kunlun_infer.chat import encode_prompt, engine_chat_template
 from kunlun_infer.errors import ConfigError, RequestError
-from kunlun_infer.server.engine_loop import EngineLoop, EngineUnavailableError, ServerBusyError
+from kunlun_infer.server.engine_loop import EngineLoop, EngineUnavailableError, ReplicaFailedError, ServerBusyError
 from kunlun_infer.server.generation import Generation
 from kunlun_infer.server.metrics import ServerMetrics
 from kunlun_infer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -60,9 +60,13 @@ class EventStream(StreamingResponse):
 
 
 class ServerState:
-    """What the routes share: the engine loop, metrics, the served model's name, chat template and tool syntax."""
+    """What the routes share: the engine loop, metrics, the served model's name, chat template and tool syntax.
 
-    def __init__(self, engine: Any, *, model_name: str, max_queue: int) -> None:
+    ``loop``: what serves the requests when it is not an :class:`EngineLoop` over ``engine`` (a fleet's
+    dispatcher, whose ``engine`` is the fleet's front: tokenizer, limits and request checks).
+    """
+
+    def __init__(self, engine: Any, *, model_name: str, max_queue: int, loop: Any = None) -> None:
         self.engine = engine
         server_config = getattr(getattr(engine, "config", None), "server", None)
         self.tool_call_parser = server_config.get("tool_call_parser") if server_config is not None else None
@@ -71,7 +75,7 @@ class ServerState:
                               f"the chat template), got {self.tool_call_parser!r}")
         self.model_name = model_name
         self.metrics = ServerMetrics(lambda: self.loop.stats, lambda: self.loop.num_queued)
-        self.loop = EngineLoop(engine, max_queue=max_queue, metrics=self.metrics)
+        self.loop = EngineLoop(engine, max_queue=max_queue, metrics=self.metrics) if loop is None else loop
         self.token_text = TokenText(engine.tokenizer)
         self.created = int(time.time())
         self._chat_template: Any = None
@@ -108,6 +112,8 @@ def as_api_error(exc: BaseException) -> ApiError:
         return ApiError.from_request_error(exc)
     if isinstance(exc, ServerBusyError):
         return ApiError(str(exc), status=429, type="server_overloaded", code="queue_full")
+    if isinstance(exc, ReplicaFailedError):
+        return ApiError(str(exc), status=502, type="server_error", code="replica_failed")
     if isinstance(exc, EngineUnavailableError):
         return ApiError(str(exc), status=503, type="server_unavailable", code="engine_unavailable")
     log.exception("request failed", exc_info=exc)
@@ -126,17 +132,24 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engine: bool = False) -> FastAPI:
-    """An app serving ``engine`` (started and stopped with the app's lifespan; closed too if ``close_engine``)."""
-    state = ServerState(engine, model_name=model_name, max_queue=max_queue)
+def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engine: bool = False,
+              loop: Any = None) -> FastAPI:
+    """An app serving ``engine`` (started and stopped with the app's lifespan; closed too if ``close_engine``).
+
+    ``loop``: a running loop of the engine's surface to serve instead (a fleet's dispatcher); whoever made it
+    starts and stops it, the app only closes ``engine`` if ``close_engine``.
+    """
+    state = ServerState(engine, model_name=model_name, max_queue=max_queue, loop=loop)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        state.loop.start()
+        if loop is None:
+            state.loop.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(state.loop.shutdown)
+            if loop is None:
+                await asyncio.to_thread(state.loop.shutdown)
             if close_engine:
                 engine.close()
 
@@ -296,7 +309,8 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(await state.loop.render_metrics(state.metrics),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:

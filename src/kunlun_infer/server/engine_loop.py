@@ -45,6 +45,10 @@ class EngineUnavailableError(KunlunInferError):
     """The engine loop has stopped (shutting down, or the engine failed)."""
 
 
+class ReplicaFailedError(KunlunInferError):
+    """A fleet's replica failed while serving a request that had streamed tokens (it is not repeated elsewhere)."""
+
+
 @dataclasses.dataclass(eq=False)
 class Submission:
     """One request handed to the loop; its outputs arrive in ``queue`` as ``(tag, output or exception)``."""
@@ -129,6 +133,10 @@ class EngineLoop:
                 return
             self._aborts.append(submission)
         self._wakeup.set()
+
+    async def render_metrics(self, metrics: Any) -> str:
+        """The ``/metrics`` text of a server over this loop (its :class:`ServerMetrics`)."""
+        return metrics.render()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort what is left, stop the thread and wait for it. The engine itself stays open."""

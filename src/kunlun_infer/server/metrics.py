@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 PREFIX = "kunlun_infer"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -165,14 +165,54 @@ class ServerMetrics:
             if m.time_per_output_token is not None:
                 self.tpot.observe(m.time_per_output_token)
 
-    def render(self) -> str:
-        """The exposition text for ``GET /metrics``."""
+    def render(self, only: Collection[str] | None = None) -> str:
+        """The exposition text for ``GET /metrics``; ``only``: just these families (names without the prefix)."""
         lines: list[str] = []
         with self.lock:
             metrics = [self.http_requests, self.requests_finished, self.requests_rejected, self.prompt_tokens,
                        self.ttft, self.latency, self.tpot, self.step_duration,
                        self.batch_size, *self.gauges]
+            if only is not None:
+                metrics = [m for m in metrics if m.name.removeprefix(f"{PREFIX}_") in only]
             for metric in metrics:
                 lines += [f"# HELP {metric.name} {metric.help}", f"# TYPE {metric.name} {metric.kind}"]
                 lines += list(metric.samples())
         return "\n".join(lines) + "\n"
+
+
+def _families(text: str) -> dict[str, tuple[list[str], list[str]]]:
+    """Exposition text as ``{family: (HELP/TYPE lines, samples)}``, in order."""
+    families: dict[str, tuple[list[str], list[str]]] = {}
+    current: tuple[list[str], list[str]] | None = None
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            name = line.split(" ", 3)[2]
+            current = families.setdefault(name, ([], []))
+            if len(current[0]) < 2 and not any(h.startswith(line[:7]) for h in current[0]):
+                current[0].append(line)
+        elif line and current is not None:
+            current[1].append(line)
+    return families
+
+
+def _with_label(sample: str, key: str, value: str) -> str:
+    """``sample`` with ``key="value"`` added to its labels."""
+    name, _, rest = sample.partition(" ")
+    label = f'{key}="{value}"'
+    if name.endswith("}"):
+        return f"{name[:-1]},{label}}} {rest}"
+    return f"{name}{{{label}}} {rest}"
+
+
+def merge_labelled(own: str, parts: Mapping[str, str], *, label: str) -> str:
+    """``own`` exposition text plus each of ``parts`` (``{label value: text}``) with ``label`` added to its
+    samples; a family present in several keeps one HELP and TYPE and all their samples."""
+    merged = _families(own)
+    for value, text in parts.items():
+        for name, (header, samples) in _families(text).items():
+            into = merged.setdefault(name, (header, []))
+            into[1].extend(_with_label(sample, label, value) for sample in samples)
+    lines: list[str] = []
+    for header, samples in merged.values():
+        lines += header + samples
+    return "\n".join(lines) + "\n"

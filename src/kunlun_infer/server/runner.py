@@ -53,9 +53,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(config: DictConfig, *, on_ready: Any = None) -> None:
     """Build the engine for ``config`` and serve it until interrupted. ``on_ready(host, port)`` once bound."""
-    import uvicorn
-
-
     check_ranges(config)
     sock = bind(str(config.server.host), int(config.server.port))
     try:
@@ -65,10 +62,20 @@ def serve(config: DictConfig, *, on_ready: Any = None) -> None:
         raise
     app = build_app(engine, model_name=model_name_for(config), max_queue=int(config.server.max_queue),
                     close_engine=True)
+    try:
+        run_app(app, sock, model_name_for(config), on_ready=on_ready)
+    finally:
+        engine.close()  # idempotent; the app's lifespan closed it unless start-up was interrupted
+
+
+def run_app(app: Any, sock: socket.socket, model_name: str, *, on_ready: Any = None) -> None:
+    """Serve ``app`` with uvicorn on the bound ``sock`` until SIGINT/SIGTERM; the socket is closed after."""
+    import uvicorn
+
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                            log_config=None))
-    log.info("serving %s on http://%s:%d", model_name_for(config), host, port)
+    log.info("serving %s on http://%s:%d", model_name, host, port)
     if on_ready is not None:
         on_ready(host, port)
     try:
@@ -76,7 +83,6 @@ def serve(config: DictConfig, *, on_ready: Any = None) -> None:
             server.run(sockets=[sock])
     finally:
         sock.close()
-        engine.close()  # idempotent; the app's lifespan closed it unless start-up was interrupted
 
 
 @contextlib.contextmanager

@@ -1,0 +1,100 @@
+"""One Ray cluster of two nodes on this machine, shared by the fleet tests, and the tiny chat model they serve.
+
+The head node offers one logical CPU; the second node, a raylet process of
+its own, offers ``{simchip: 1}`` and nothing else, so a replica asking for
+``simchip`` can only run there: placement by resource is real. Both listen on
+127.0.0.1 only (Ray keeps every address on loopback with its single-machine
+switch) and are stopped at the end of the session, also when a test fails;
+Ray's reaper process stops them if this process dies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from tests.chat_models import build_chat_model
+from tests.engine.tiny_models import engine_overrides
+
+for _module, _extra in (("ray", "cluster"), ("kunlun_infer_simchip", "hooks/kunlun-infer-simchip")):
+    if importlib.util.find_spec(_module) is None:
+        pytest.skip(f"{_module} is not installed: pip install -e '.[test]' and the plugins under hooks/",
+                    allow_module_level=True)
+
+SIMCHIP = ["device=simchip", "memory=simchip", "ops=simchip", "streams=simchip"]
+#: the fleet of the issue (conf/fleet/cpu_simchip.yaml): the host CPU, and the simulated chip with a small arena,
+#: which only a node offering {simchip: 1} can run
+PAIR = ["fleet=cpu_simchip",
+        "fleet.replicas.simchip.overrides=[" + ",".join(f"'{o}'" for o in (*SIMCHIP, "device.capacity=256MiB")) + "]"]
+
+
+def fleet_engine_overrides(**keys) -> list[str]:
+    """Small engines, float32 on both devices (so greedy tokens agree exactly), one torch thread each."""
+    return engine_overrides(model__dtype="float32", scheduler__max_num_seqs=16, cache__num_blocks=256, **keys)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """``(gcs address, id of the simchip node)`` of the two-node loopback cluster."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray reads it: node addresses on 127.0.0.1
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    small = dict(include_dashboard=False, object_store_memory=80 * 2**20, num_gpus=0)
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, **small))
+    try:
+        second = cluster.add_node(num_cpus=0, resources={"simchip": 1}, object_store_memory=80 * 2**20)
+        yield cluster.address, second.node_id
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory):
+    return build_chat_model(tmp_path_factory.mktemp("fleet-model"))
+
+
+class FleetServer:
+    """``fleet.app()`` served by uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, fleet) -> None:
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        self.fleet = fleet
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(fleet.app(), log_level="warning", log_config=None,
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the fleet's server did not start"
+            time.sleep(0.02)
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` parsed into ``{sample name with labels: value}``."""
+        import httpx
+
+        samples = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
