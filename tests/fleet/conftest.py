@@ -1,10 +1,10 @@
-"""One Ray cluster of two nodes on this machine, shared by the fleet tests, and the tiny chat model they serve.
+"""One Ray cluster of two nodes on this machine, shared by the fleet tests (and stopped after them), and the tiny chat model they serve.
 
 The head node offers one logical CPU; the second node, a raylet process of
 its own, offers ``{simchip: 1}`` and nothing else, so a replica asking for
 ``simchip`` can only run there: placement by resource is real. Both listen on
 127.0.0.1 only (Ray keeps every address on loopback with its single-machine
-switch) and are stopped at the end of the session, also when a test fails;
+switch) and are stopped after the last fleet test, also when a test fails;
 Ray's reaper process stops them if this process dies.
 """
 
@@ -35,14 +35,17 @@ def fleet_engine_overrides(**keys) -> list[str]:
     return engine_overrides(model__dtype="float32", scheduler__max_num_seqs=16, cache__num_blocks=256, **keys)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster():
     """``(gcs address, id of the simchip node)`` of the two-node loopback cluster."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray reads it: node addresses on 127.0.0.1
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    saved = {key: os.environ.get(key) for key in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED")}
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's single-machine switch: node addresses on 127.0.0.1
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
+    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
+    flag, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
     small = dict(include_dashboard=False, object_store_memory=80 * 2**20, num_gpus=0)
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, **small))
     try:
@@ -52,9 +55,15 @@ def ray_cluster():
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = flag
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chat_model(tmp_path_factory):
     return build_chat_model(tmp_path_factory.mktemp("fleet-model"))
 

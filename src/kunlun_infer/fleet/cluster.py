@@ -88,7 +88,7 @@ class RayCluster:
                            resources=dict(fleet.resources) or None)
         with _loopback_only(ray) if loopback else contextlib.nullcontext():
             try:
-                ray.init(address=address, **options)
+                ray.init(address=address or "local", **options)  # "local": never another cluster found here
             except ConnectionError as exc:
                 raise ConfigError(f"fleet.address={address}: no Ray cluster answers there ({exc}); start one "
                                   f"with `ray start --head` or leave fleet.address unset for a local one") from None
