@@ -212,7 +212,7 @@ class ReplicaConfig:
     #: Hydra overrides of this replica's engine, applied after the command line's (``[platform=simchip]``);
     #: composed where the replica runs, so its node needs the plugins it names
     overrides: list[str] = dataclasses.field(default_factory=list)
-    #: Ray resources its actor reserves: ``{GPU: 1}``, ``{CPU: 4}``, a custom one (``{kunlun_xpu: 8}``)
+    #: Ray resources its actor reserves: ``{GPU: 1}``, ``{CPU: 4}``, or custom ones its nodes declare
     resources: dict[str, float] = dataclasses.field(default_factory=dict)
     #: identical copies of it (``name``, ``name-1``, ``name-2`` …)
     count: int = 1

@@ -196,3 +196,32 @@ def test_killing_a_replica_mid_run_loses_no_request_and_it_comes_back(fleet, ser
     more = [prompt(200 + i) for i in range(16)]
     assert asyncio.run(stream_all(server.url, more, 8)) == reference(single, more, 8)
     assert per_replica(server.metrics(), "requests_finished_total")["simchip"] > before
+
+
+def test_a_replica_that_stops_answering_leaves_rotation_and_ray_restarts_it(fleet, server, single):
+    def simchip() -> dict:
+        return next(r for r in fleet.replicas() if r["name"] == "simchip")
+
+    victim = simchip()
+    prompts = [prompt(300 + i) for i in range(8)]
+    os.kill(victim["pid"], signal.SIGSTOP)  # alive but silent: only the health timeout can tell
+    try:
+        started = time.monotonic()
+        texts = asyncio.run(stream_all(server.url, prompts, 8))
+        waited = time.monotonic() - started
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:  # killed for not answering, as it should be
+            pass
+    # the requests it held had streamed nothing: they moved to the CPU replica once it missed the timeout
+    assert texts == reference(single, prompts, 8)
+    assert waited >= 10  # fleet.health_timeout_s
+    deadline = time.monotonic() + 180
+    while (state := simchip())["state"] != "up" or state["restarts"] != victim["restarts"] + 1:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+    assert state["pid"] != victim["pid"]
+    samples = server.metrics()
+    assert samples['kunlun_infer_fleet_replica_restarts_total{replica="simchip"}'] == victim["restarts"] + 1
+    assert samples['kunlun_infer_fleet_replica_up{replica="simchip"}'] == 1

@@ -35,7 +35,8 @@ from typing import Any
 from kunlun_infer.engine.intake import PreparedRequest
 from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.errors import KunlunInferError, RequestError
-from kunlun_infer.fleet.router import PREFIX_BLOCK_TOKENS, Policy, PrefixIndex, ReplicaLoad, choose, loads, prefix_hashes
+from kunlun_infer.fleet.router import (PREFIX_BLOCK_TOKENS, Policy, PrefixIndex, ReplicaLoad, choose, loads,
+                                       prefix_hashes)
 from kunlun_infer.server.engine_loop import EngineUnavailableError, ReplicaFailedError, ServerBusyError
 from kunlun_infer.server.metrics import Counter, ServerMetrics, merge_labelled
 

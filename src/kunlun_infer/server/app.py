@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI routes over one :class:`EngineLoop`.
+"""The FastAPI application: OpenAI routes over one :class:`EngineLoop` (or a fleet's dispatcher, its twin).
 
 ``/v1/completions`` and ``/v1/chat/completions`` (``stream=true`` answers
 with server-sent events), ``/v1/models``, ``/tokenize`` and ``/detokenize``,
