@@ -137,7 +137,7 @@ def test_requests_sharing_a_long_prefix_land_where_it_is_cached(server, single):
 def test_a_full_fleet_answers_429_and_aborted_streams_free_the_replicas(fleet, server):
     async def scenario() -> int:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-            body = {"prompt": "fill", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+            body = {"prompt": "fill", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
             streams = [client.stream("POST", "/v1/completions", json=body) for _ in range(64)]
             responses = [await s.__aenter__() for s in streams]
             assert all(r.status_code == 200 for r in responses)
