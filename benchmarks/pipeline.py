@@ -1,6 +1,6 @@
 """Pipeline-parallel throughput: two stages with one batch in flight vs two, and one rank for reference.
 
-Builds a random Llama (default hidden 512, 8 layers, float32) and runs a
+Builds a random Llama (default hidden 1024, 8 layers, float32) and runs a
 batch of prompts through ``LLM.generate`` (greedy, ``ignore_eos``) in these
 settings, each after a warm-up batch, one torch thread per rank:
 
@@ -16,8 +16,8 @@ in flight buy over one, the CPU model and ISA flags, checks that every
 setting produced the same tokens, and writes the figures to
 ``benchmarks/results/pipeline.json``.
 
-    python benchmarks/pipeline.py [--prompts 16] [--length 64] [--max-tokens 48] [--hidden 512] [--layers 8]
-                                  [--repeats 2] [--out benchmarks/results/pipeline.json]
+    python benchmarks/pipeline.py [--prompts 16] [--length 64] [--max-tokens 32] [--hidden 1024] [--layers 8]
+                                  [--repeats 3] [--out benchmarks/results/pipeline.json]
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--length", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "pipeline.json"))
     args = parser.parse_args()
     facts = machine()
