@@ -8,7 +8,9 @@ included, so a layer that ignores one of them changes the logits.
 
 Presets (``ARCHITECTURES``): ``llama`` (GQA), ``llama_mqa`` (one KV head),
 ``mistral``, ``qwen2`` (qkv bias, tied embeddings), ``qwen3`` (q/k norm,
-``head_dim`` != hidden / heads). Any config field can be overridden.
+``head_dim`` != hidden / heads), ``deepseek_v2`` and ``deepseek_v3``
+(multi-head latent attention, a dense first layer, shared and routed
+experts). Any config field can be overridden.
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None, "num_key_value_heads": 2}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # multi-head latent attention; V2-Lite style (one query projection), group-limited greedy routing
+    "deepseek_v2": ("DeepseekV2Config", {
+        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 2, "moe_intermediate_size": 24,
+        "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5}),
+    # low-rank queries, sigmoid routing with a correction bias, grouped top-k over the best two of each group
+    "deepseek_v3": ("DeepseekV3Config", {
+        "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 24, "n_group": 4,
+        "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5}),
 }
 
 

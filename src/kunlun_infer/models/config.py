@@ -22,11 +22,15 @@ from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "yarn", "llama3")
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+#: architectures with multi-head latent attention (a compressed latent cached instead of per-head K/V)
+_MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # defaults of the transformers config classes, for fields a config.json may leave out
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None, "head_dim": None,
@@ -35,9 +39,37 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                            "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "DeepseekV2ForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None, "bos_token_id": 1,
+                              "eos_token_id": 2, "intermediate_size": 11008, "q_lora_rank": 1536,
+                              "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                              "v_head_dim": 128, "rope_interleave": True},
+    "DeepseekV3ForCausalLM": {"max_position_embeddings": 4096, "num_key_value_heads": 128, "bos_token_id": 0,
+                              "eos_token_id": 1, "intermediate_size": 18432, "q_lora_rank": 1536,
+                              "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                              "v_head_dim": 128, "rope_interleave": True},
 }
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the sizes of its projections and cached latent."""
+
+    #: rank of the query's low-rank compression; ``None``: one full query projection (V2-Lite)
+    q_lora_rank: int | None
+    #: size of the cached latent from which every head's key (without position) and value are decompressed
+    kv_lora_rank: int
+    #: per head: the query/key part without position, the rotated part (shared by all heads in the key), the value
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    #: the checkpoint's rotary dimensions come in interleaved pairs (x0, x1), (x2, x3)… (DeepSeek's own layout)
+    rope_interleave: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +103,10 @@ class ModelArchConfig:
     pad_token_id: int | None
     #: attention window of the checkpoint; the usable context is capped to it
     sliding_window: int | None
+    #: multi-head latent attention (DeepSeek); ``None`` for per-head K/V attention
+    mla: MLAConfig | None = None
+    #: the first this many decoder layers have a dense MLP, the others a mixture of experts (DeepSeek)
+    first_k_dense_replace: int = 0
 
     @property
     def max_context_len(self) -> int:
@@ -180,7 +216,9 @@ def parse_model_config(raw: dict[str, Any], path: Path, generation: dict[str, An
 
     hidden, heads = field("hidden_size"), field("num_attention_heads")
     kv_heads = field("num_key_value_heads") or heads
-    head_dim = field("head_dim") or hidden // heads
+    mla = _mla(raw, path, field, arch) if arch in _MLA_ARCHITECTURES else None
+    # DeepSeek's config.json says head_dim = qk_rope_head_dim (the rotary size); a head is nope + rope
+    head_dim = mla.qk_head_dim if mla is not None else field("head_dim") or hidden // heads
     if heads % kv_heads:
         raise ModelLoadError(f"{path}: num_attention_heads={heads} is not a multiple of "
                              f"num_key_value_heads={kv_heads}")
@@ -222,15 +260,45 @@ def parse_model_config(raw: dict[str, Any], path: Path, generation: dict[str, An
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
-        attention_out_bias=bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False,
-        mlp_bias=bool(raw.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
+        attention_out_bias=bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", *_MLA_ARCHITECTURES) else False,
+        mlp_bias=bool(raw.get("mlp_bias", False)) if arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM") else False,
         qk_norm=arch == "Qwen3ForCausalLM",
         torch_dtype=_dtype(raw, path),
         eos_token_ids=tuple(eos),
         bos_token_id=None if bos is None else int(bos),
         pad_token_id=raw.get("pad_token_id"),
         sliding_window=int(window) if window else None,
+        mla=mla,
+        first_k_dense_replace=_first_dense_layers(raw, path, arch),
     )
+
+
+def _mla(raw: dict[str, Any], path: Path, field: Any, arch: str) -> MLAConfig:
+    """The MLA sizes of a DeepSeek ``config.json`` (defaults of its transformers config class).
+
+    DeepSeek-V2 always rotates interleaved pairs; V3 says so in ``rope_interleave`` (default true).
+    """
+    interleave = arch == "DeepseekV2ForCausalLM" or bool(raw.get("rope_interleave", True))
+    mla = MLAConfig(q_lora_rank=field("q_lora_rank"), kv_lora_rank=field("kv_lora_rank"),
+                    qk_nope_head_dim=field("qk_nope_head_dim"), qk_rope_head_dim=field("qk_rope_head_dim"),
+                    v_head_dim=field("v_head_dim"), rope_interleave=interleave)
+    if mla.qk_rope_head_dim % 2:
+        raise ModelLoadError(f"{path}: qk_rope_head_dim={mla.qk_rope_head_dim} must be even for rotary embeddings")
+    return mla
+
+
+def _first_dense_layers(raw: dict[str, Any], path: Path, arch: str) -> int:
+    """DeepSeek's ``first_k_dense_replace`` (0 elsewhere: every layer dense, or every layer a mixture)."""
+    if arch not in _MLA_ARCHITECTURES:
+        return 0
+    default = 3 if arch == "DeepseekV3ForCausalLM" else 0
+    value = raw.get("first_k_dense_replace", default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelLoadError(f"{path}: field 'first_k_dense_replace' has bad value {value!r} (expected an integer "
+                             ">= 0)")
+    return value
 
 
 def load_model_config(model_dir: str | Path) -> ModelArchConfig:

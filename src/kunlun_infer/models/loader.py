@@ -26,6 +26,7 @@ from kunlun_infer.layers import LayerContext
 from kunlun_infer.layers.quantization import Quantization
 from kunlun_infer.models.base import CausalLM, LayerSpan
 from kunlun_infer.models.config import ModelArchConfig, load_model_config, read_json
+from kunlun_infer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kunlun_infer.models.llama import LlamaForCausalLM
 from kunlun_infer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from kunlun_infer.runtime.attention import GuardedAttentionBackend, resolve_attention
@@ -38,6 +39,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 _FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _ITEM_SIZES = {**_FLOAT_DTYPES, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,

@@ -32,10 +32,16 @@ How the framework uses a backend, per run and per step:
    and values into the layer's cache, then :meth:`AttentionBackend.attend`
    computes the attention output of the step's queries (the *run*).
 
-Growth: other kinds of attention (``AttentionSpec.kind``, e.g. a latent
-``"mla"`` cache) get their own calls in a later minor version; a provider
-returns ``None`` for a kind it does not serve and the framework uses its
-reference for that kind.
+Kinds of attention (``AttentionSpec.kind``): :data:`MHA` (per-head keys and
+values, grouped queries) is served by an :class:`AttentionBackend`.
+:data:`MLA` (hook API 1.4; DeepSeek's multi-head latent attention) caches one
+compressed latent and one shared rotary key per token instead of per-head
+keys and values, and is served by an :class:`MLAAttentionBackend`, whose
+store and attend calls take the latent (see there). Both share the cache
+and metadata half of the contract (:class:`AttentionBackendBase`). A
+provider returns ``None`` for a kind it does not serve and the framework
+uses its reference for that kind (:mod:`kunlun_infer.ops.reference_mla` for
+MLA); a backend of the wrong class for the spec's kind is not used either.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from kunlun_infer.ops.attention_step import AttentionStep
 
 #: the kind of attention of Llama / Qwen style decoders: per-head keys and values, grouped queries
 MHA = "mha"
+#: multi-head latent attention (DeepSeek-V2/V3): a cached latent and rotary key shared by every head (1.4)
+MLA = "mla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +70,14 @@ class AttentionSpec:
     of this rank (``num_heads`` is a multiple of it: grouped-query
     attention). ``head_dim``: size of one head. ``dtype``: the dtype of the
     keys and values the layers produce, and of the cache unless the backend
-    chooses another. ``kind``: :data:`MHA` (more kinds may come).
+    chooses another. ``kind``: :data:`MHA` or :data:`MLA`.
+
+    For :data:`MLA` (added in 1.4; build it with :func:`mla_spec`):
+    ``num_kv_heads`` is 1 (the latent is shared by every head), ``head_dim``
+    is the query/key head size ``qk_nope_head_dim + qk_rope_head_dim``,
+    ``kv_lora_rank`` the size of the cached latent, ``qk_rope_head_dim`` the
+    size of the cached rotary key, ``v_head_dim`` the size of one head of
+    the output. The three are 0 for :data:`MHA`.
     """
 
     num_heads: int
@@ -70,6 +85,22 @@ class AttentionSpec:
     head_dim: int
     dtype: torch.dtype
     kind: str = MHA
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """MLA: the part of a query/key head without rotary position (decompressed from the latent)."""
+        return self.head_dim - self.qk_rope_head_dim
+
+
+def mla_spec(*, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, kv_lora_rank: int,
+             v_head_dim: int, dtype: torch.dtype) -> AttentionSpec:
+    """The :class:`AttentionSpec` of multi-head latent attention with ``num_heads`` heads on this rank."""
+    return AttentionSpec(num_heads=num_heads, num_kv_heads=1, head_dim=qk_nope_head_dim + qk_rope_head_dim,
+                         dtype=dtype, kind=MLA, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                         v_head_dim=v_head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +116,14 @@ class CacheTensorSpec:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-class AttentionBackend(abc.ABC):
-    """A paged-attention implementation: cache layout, per-step metadata, store and attend.
+class AttentionBackendBase(abc.ABC):
+    """What every attention backend has, whatever its kind: cache layout, batch order, per-step metadata.
 
     Built by an ops provider for one :class:`AttentionSpec`; used from the
     engine's thread. Creating it must not touch hardware (``kunlun-infer
-    plan`` builds backends without a device to size caches).
+    plan`` builds backends without a device to size caches). The store and
+    attend calls depend on the kind: :class:`AttentionBackend` (:data:`MHA`),
+    :class:`MLAAttentionBackend` (:data:`MLA`).
     """
 
     #: a short name for logs and ``kunlun-infer plugins``
@@ -127,9 +160,18 @@ class AttentionBackend(abc.ABC):
 
         ``step`` describes the flat batch in host lists; make the host and
         device tensors the kernels need from it (``step.device``). The result
-        is opaque to the framework: it is only handed back to
-        :meth:`store_kv` and :meth:`attend`.
+        is opaque to the framework: it is only handed back to the
+        backend's store and attend calls.
         """
+
+
+class AttentionBackend(AttentionBackendBase):
+    """A paged-attention implementation of :data:`MHA` attention: cache layout, per-step metadata, store and attend.
+
+    Built by an ops provider for one :class:`AttentionSpec`; used from the
+    engine's thread. Creating it must not touch hardware (``kunlun-infer
+    plan`` builds backends without a device to size caches).
+    """
 
     @abc.abstractmethod
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
@@ -148,6 +190,48 @@ class AttentionBackend(abc.ABC):
         and sees every key of its sequence up to that position. Returns
         ``[T, num_heads, head_dim]`` in ``query.dtype``, rows in flat-batch
         order.
+        """
+
+
+class MLAAttentionBackend(AttentionBackendBase):
+    """A paged implementation of multi-head latent attention (:data:`MLA`, hook API 1.4).
+
+    Per token the cache holds the normalised latent ``c`` (``kv_lora_rank``
+    numbers) and the rotated shared key ``k_rope`` (``qk_rope_head_dim``);
+    how, in which dtype and in how many tensors is the backend's choice
+    (:meth:`kv_cache_tensors`). Keys and values of head ``h`` are the latent
+    decompressed by this rank's up-projection ``kv_up`` (``[num_heads,
+    qk_nope_head_dim + v_head_dim, kv_lora_rank]``, the checkpoint's
+    ``kv_b_proj`` weight per head)::
+
+        k_h = concat(kv_up[h, :qk_nope_head_dim] @ c, k_rope)
+        v_h = kv_up[h, qk_nope_head_dim:] @ c
+
+    A backend may compute exactly that (decompress, then attend), or fold
+    the up-projection into the query and the output and attend over the
+    latent itself (``q_nope @ kv_up[:, :qk_nope_head_dim]`` against ``c``,
+    as DeepSeek does for decode); the result is the same.
+    """
+
+    @abc.abstractmethod
+    def store_latent(self, latent: torch.Tensor, k_rope: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                     metadata: Any) -> None:
+        """Write the step's ``latent`` (``[T, kv_lora_rank]``) and ``k_rope`` (``[T, qk_rope_head_dim]``) in place."""
+
+    @abc.abstractmethod
+    def attend_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                      kv_cache: tuple[torch.Tensor, ...], metadata: Any, *, kv_up: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        """Causal attention of the step's queries over their sequences' latent context.
+
+        ``q_nope``: ``[T, num_heads, qk_nope_head_dim]``; ``q_rope``: ``[T,
+        num_heads, qk_rope_head_dim]`` (already rotated); ``latent`` /
+        ``k_rope``: the step's own (already stored by :meth:`store_latent`;
+        a kernel may read them directly). ``kv_up``: see the class. Query
+        token ``j`` of sequence ``i`` sits at position ``context_lens[i] + j``
+        and sees every token of its sequence up to that position; scores are
+        ``scale × (q · k_h)``, softmax in float32. Returns ``[T, num_heads,
+        v_head_dim]`` in ``q_nope.dtype``, rows in flat-batch order.
         """
 
 

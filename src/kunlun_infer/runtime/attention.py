@@ -7,7 +7,12 @@ so that anything the backend raises surfaces as a
 (``attention.attend`` …). :func:`resolve_attention` resolves the model's ops
 and returns the backend the model will use: the plugin's, or — for a
 provider without one — the reference backend over the op table, whose
-``store_kv`` and ``paged_attention`` are then resolved too.
+``store_kv`` and ``paged_attention`` are then resolved too. For multi-head
+latent attention (``AttentionSpec.kind == "mla"``, hook API 1.4) only an
+:class:`~kunlun_infer.ops.attention.MLAAttentionBackend` is taken from a
+plugin; anything else (a provider without one, or one written before 1.4
+that answers every spec with its MHA backend) is logged and the reference
+MLA backend (:mod:`kunlun_infer.ops.reference_mla`) serves.
 """
 
 from __future__ import annotations
@@ -18,19 +23,23 @@ from typing import Any
 import torch
 
 from kunlun_infer.errors import PluginError
-from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec, CacheTensorSpec
+from kunlun_infer.ops.attention import (MLA, AttentionBackend, AttentionBackendBase, AttentionSpec, CacheTensorSpec,
+                                        MLAAttentionBackend)
 from kunlun_infer.ops.attention_step import AttentionStep
 from kunlun_infer.ops.reference_attention import REFERENCE_ATTENTION_OPS, ReferenceAttentionBackend
+from kunlun_infer.ops.reference_mla import ReferenceMLABackend
 from kunlun_infer.runtime.guard import DeferredFailures, guarded_call, plugin_failure
 from kunlun_infer.runtime.log import runtime_log
 from kunlun_infer.runtime.optable import OpTable
 from kunlun_infer.runtime.protocol import ModelRuntime
 
 
-class GuardedAttentionBackend(AttentionBackend):
-    """Forwards to a plugin's backend; its failures become ``PluginError`` naming plugin and call."""
+class _Guard:
+    """What the guarded backends of every kind share: the cache and metadata calls, and failure handling."""
 
-    def __init__(self, inner: AttentionBackend, plugin: str) -> None:
+    inner: AttentionBackendBase
+
+    def __init__(self, inner: AttentionBackendBase, plugin: str) -> None:
         self.inner = inner
         self.plugin = plugin
         self.name = str(getattr(inner, "name", type(inner).__name__))
@@ -71,59 +80,115 @@ class GuardedAttentionBackend(AttentionBackend):
         except Exception as exc:  # noqa: BLE001 - attributed to the plugin
             raise self._fail(exc, "build_metadata") from exc
 
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
-                 metadata: Any) -> None:
+    def _store(self, call: str, store: Any, *args: Any) -> None:
         try:
-            self.inner.store_kv(key, value, kv_cache, metadata)
+            store(*args)
         except Exception as exc:  # noqa: BLE001 - attributed to the plugin
-            error = self._fail(exc, "store_kv")
+            error = self._fail(exc, call)
             if self._deferred is None or not isinstance(error, PluginError):
                 raise error from exc
             self._deferred.record(error)
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kv_cache: tuple[torch.Tensor, ...], metadata: Any, *, scale: float) -> torch.Tensor:
+    def _attend(self, call: str, attend: Any, zeros: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         try:
-            return self.inner.attend(query, key, value, kv_cache, metadata, scale=scale)
+            return attend(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - attributed to the plugin
-            error = self._fail(exc, "attend")
+            error = self._fail(exc, call)
             if self._deferred is None or not isinstance(error, PluginError):
                 raise error from exc
             self._deferred.record(error)
-            return torch.zeros_like(query)
+            return zeros()
 
     def __repr__(self) -> str:
         return f"<attention backend {self.name!r} of plugin {self.plugin!r}>"
 
 
-def plugin_attention_backend(provider: Any, plugin: str, spec: AttentionSpec) -> AttentionBackend | None:
-    """The ops provider's backend for ``spec`` (guarded), or ``None`` when it has none (1.0 providers)."""
+class GuardedAttentionBackend(_Guard, AttentionBackend):
+    """Forwards to a plugin's backend; its failures become ``PluginError`` naming plugin and call."""
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                 metadata: Any) -> None:
+        self._store("store_kv", self.inner.store_kv, key, value, kv_cache, metadata)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, ...], metadata: Any, *, scale: float) -> torch.Tensor:
+        return self._attend("attend", self.inner.attend, lambda: torch.zeros_like(query), query, key, value,
+                            kv_cache, metadata, scale=scale)
+
+
+class GuardedMLAAttentionBackend(_Guard, MLAAttentionBackend):
+    """Forwards to a plugin's MLA backend; its failures become ``PluginError`` naming plugin and call."""
+
+    def store_latent(self, latent: torch.Tensor, k_rope: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                     metadata: Any) -> None:
+        self._store("store_latent", self.inner.store_latent, latent, k_rope, kv_cache, metadata)
+
+    def attend_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                      kv_cache: tuple[torch.Tensor, ...], metadata: Any, *, kv_up: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        def zeros() -> torch.Tensor:
+            return q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], kv_up.shape[1] - q_nope.shape[2])
+        return self._attend("attend_latent", self.inner.attend_latent, zeros, q_nope, q_rope, latent, k_rope,
+                            kv_cache, metadata, kv_up=kv_up, scale=scale)
+
+
+#: the backend class a plugin must return for each kind of attention
+_BACKEND_CLASSES: dict[str, type[AttentionBackendBase]] = {MLA: MLAAttentionBackend}
+
+
+def plugin_attention_backend(provider: Any, plugin: str, spec: AttentionSpec) -> AttentionBackendBase | None:
+    """The ops provider's backend for ``spec`` (guarded), or ``None`` when it has none for this kind.
+
+    A backend of the wrong class for ``spec.kind`` — e.g. the MHA backend of
+    a plugin written before MLA existed, which never looked at the kind — is
+    logged and not used: ``None``, so the framework's reference serves.
+    """
     method = getattr(provider, "attention_backend", None)
     if method is None:
         return None
     backend = guarded_call(plugin, "ops.attention_backend", method, spec)
     if backend is None:
         return None
-    if not isinstance(backend, AttentionBackend):
+    wanted = _BACKEND_CLASSES.get(spec.kind, AttentionBackend)
+    if spec.kind in _BACKEND_CLASSES and isinstance(backend, AttentionBackendBase) and not isinstance(backend,
+                                                                                                       wanted):
+        runtime_log.warning("plugin '%s' answered %s attention with a %s, not a %s: using the framework's reference "
+                            "for it", plugin, spec.kind.upper(), type(backend).__name__, wanted.__name__)
+        return None
+    if not isinstance(backend, wanted):
         raise PluginError(f"plugin '{plugin}': ops.attention_backend returned a {type(backend).__name__}, not a "
-                          f"kunlun_infer.ops.attention.AttentionBackend", plugin=plugin, hook="ops.attention_backend")
+                          f"kunlun_infer.ops.attention.{wanted.__name__}", plugin=plugin, hook="ops.attention_backend")
+    if isinstance(backend, MLAAttentionBackend):
+        return GuardedMLAAttentionBackend(backend, plugin)
     return GuardedAttentionBackend(backend, plugin)
 
 
+def reference_backend(spec: AttentionSpec, ops: Any = None) -> AttentionBackendBase:
+    """The framework's own backend for ``spec``: over the op table ``ops`` for MHA, plain torch for MLA."""
+    if spec.kind == MLA:
+        return ReferenceMLABackend(spec)
+    return ReferenceAttentionBackend(spec, ops)
+
+
 def resolve_attention(runtime: ModelRuntime, required_ops: Iterable[str],
-                      spec: AttentionSpec) -> tuple[OpTable, AttentionBackend]:
+                      spec: AttentionSpec) -> tuple[OpTable, AttentionBackendBase]:
     """``(op table, attention backend)`` for a model needing ``required_ops`` and attention ``spec``.
 
     ``runtime`` needs ``resolve_ops``; its ``attention_backend(spec)``, when it
     has one, may offer the ops plugin's backend. Otherwise the reference
-    backend serves, and the op table includes its ``store_kv`` and
-    ``paged_attention``.
+    backend serves: for MHA the op table then includes its ``store_kv`` and
+    ``paged_attention``; for MLA the plain-torch reference MLA backend needs
+    no op.
     """
     offer = getattr(runtime, "attention_backend", None)
     backend = offer(spec) if offer is not None else None
-    ops = list(required_ops) + ([] if backend is not None else list(REFERENCE_ATTENTION_OPS))
+    needs_table_attention = backend is None and spec.kind != MLA
+    ops = list(required_ops) + (list(REFERENCE_ATTENTION_OPS) if needs_table_attention else [])
     table = runtime.resolve_ops(ops)
     if backend is None:
-        backend = ReferenceAttentionBackend(spec, table)
+        backend = reference_backend(spec, table)
+        if spec.kind == MLA:
+            runtime_log.info("MLA attention: the ops plugin has no MLA backend; using the framework's reference "
+                             "backend '%s' (plain torch)", backend.name)
     runtime_log.debug("attention backend: %s", backend.name)
     return table, backend

@@ -33,10 +33,9 @@ from kunlun_infer.engine.startup import (choose_dtype, choose_max_model_len, est
 from kunlun_infer.layers.quantization import Quantization, estimate_weight_bytes
 from kunlun_infer.models import load_model, load_model_config, model_class, resolve_dtype
 from kunlun_infer.models.base import LayerSpan
-from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
-from kunlun_infer.ops.reference_attention import ReferenceAttentionBackend
+from kunlun_infer.ops.attention import AttentionBackendBase, AttentionSpec
 from kunlun_infer.runtime import PluginManager, Runtime
-from kunlun_infer.runtime.attention import plugin_attention_backend
+from kunlun_infer.runtime.attention import plugin_attention_backend, reference_backend
 from kunlun_infer.runtime.guard import guarded_call
 from kunlun_infer.tools.model_shapes import ModelShapes, meta_model, model_shapes
 
@@ -118,7 +117,7 @@ def _has_weights(folder: Path) -> bool:
 
 
 def plan_attention_backend(cfg: DictConfig, spec: AttentionSpec, *, runtime: Runtime | None = None,
-                           plugin_manager: Any = None) -> AttentionBackend:
+                           plugin_manager: Any = None) -> AttentionBackendBase:
     """The attention backend a run of ``cfg`` uses for ``spec`` (sizing only: no op table behind a reference one).
 
     Asks ``runtime``'s ops plugin, or — without a runtime — the ops provider
@@ -131,7 +130,7 @@ def plan_attention_backend(cfg: DictConfig, spec: AttentionSpec, *, runtime: Run
         plugin, factory = manager.factory("ops", str(cfg.ops.name))
         provider = guarded_call(plugin, f"ops factory '{cfg.ops.name}'", factory, config=cfg.ops, device=None)
         backend = plugin_attention_backend(provider, plugin, spec)
-    return backend if backend is not None else ReferenceAttentionBackend(spec)
+    return backend if backend is not None else reference_backend(spec)
 
 
 def _pipeline_plan(cfg: DictConfig, grid: Grid, *, device_memory: int | None, runtime: Runtime | None,
