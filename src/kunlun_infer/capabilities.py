@@ -172,9 +172,12 @@ class OpsProvider(abc.ABC):
         ``paged_attention`` (or their references). A provider with kernels of
         its own layout returns an :class:`~kunlun_infer.ops.attention.AttentionBackend`
         (see that module for the contract); it may return ``None`` for a
-        ``spec.kind`` or dtype it does not serve. Called once per model load,
-        also with ``device=None`` providers (sizing only): it must not touch
-        hardware. Added in 1.1.
+        ``spec.kind`` or dtype it does not serve. For ``spec.kind == "mla"``
+        (since 1.4) the backend must be an
+        :class:`~kunlun_infer.ops.attention.MLAAttentionBackend`; without one
+        the framework's reference MLA backend serves. Called once per model
+        load, also with ``device=None`` providers (sizing only): it must not
+        touch hardware. Added in 1.1.
         """
         return None
 

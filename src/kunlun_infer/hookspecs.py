@@ -61,6 +61,17 @@ Attention backends (1.1)
     suite (:func:`kunlun_infer.testing.check_attention_backend`) checks a
     backend against the reference backend.
 
+    Since 1.4 the spec may ask for multi-head latent attention
+    (``spec.kind == "mla"``, DeepSeek-V2/V3): the cache holds one compressed
+    latent and one rotary key per token, shared by every head. A provider
+    serving it returns an
+    :class:`~kunlun_infer.ops.attention.MLAAttentionBackend` (same cache and
+    metadata calls; ``store_latent`` and ``attend_latent`` instead of
+    ``store_kv`` and ``attend``); ``None``, or a backend of another class,
+    leaves it to the framework's plain-torch reference
+    (:mod:`kunlun_infer.ops.reference_mla`), logged. The conformance suite
+    checks an MLA backend against that reference too.
+
 Logits processors (1.2)
     A plugin may register logits processors by name
     (:func:`kunlun_infer_logits_processor_factories`); ``structured.backend``
@@ -101,6 +112,16 @@ Changes
     its tensor-parallel group with. Their defaults refuse with a message
     naming the comm; the engine checks for them before it starts a pipeline,
     so a 1.3 comm plugin loads and runs unchanged without one.
+    Also in 1.4, multi-head latent attention through the attention-backend
+    contract:
+    ``AttentionSpec.kind == "mla"`` with its sizes (``kv_lora_rank``,
+    ``qk_rope_head_dim``, ``v_head_dim``; :func:`kunlun_infer.ops.attention.mla_spec`),
+    :class:`~kunlun_infer.ops.attention.MLAAttentionBackend` and the base
+    class both kinds share,
+    :class:`~kunlun_infer.ops.attention.AttentionBackendBase`. A plugin
+    written for 1.3 or earlier loads and runs unchanged: MLA models get the
+    reference MLA backend, even from a provider that answers every spec with
+    its MHA backend.
 """
 
 from __future__ import annotations

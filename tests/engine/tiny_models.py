@@ -6,7 +6,8 @@ second. Every weight is random (norm weights and qkv biases included). Their
 tokenizer is byte-level (one token per byte plus an end-of-text token), so
 random generations exercise multi-byte streaming. Presets: ``llama`` (GQA),
 ``qwen2`` (qkv bias, one KV head, tied embeddings), ``qwen3`` (q/k norm,
-explicit ``head_dim``).
+explicit ``head_dim``), ``deepseek_v2`` / ``deepseek_v3`` (multi-head latent
+attention).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ PRESETS = {
     "llama": {},
     "qwen2": {"num_key_value_heads": 1, "tie_word_embeddings": True},
     "qwen3": {"head_dim": 16},
+    # multi-head latent attention: V2-Lite style queries and interleaved rotary pairs; V3 low-rank queries
+    "deepseek_v2": {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 2},
+    "deepseek_v3": {"num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 2},
 }
 
 
@@ -40,11 +46,13 @@ def build_byte_tokenizer(folder: Path) -> None:
 
 
 def build_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Save a random ``arch`` (llama | qwen2 | qwen3) model with a byte tokenizer into ``folder``."""
+    """Save a random ``arch`` (a key of ``PRESETS``) model with a byte tokenizer into ``folder``."""
     import transformers as tf
 
     classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
+               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+               "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+               "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}
     config_cls, model_cls = classes[arch]
     kwargs = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,

@@ -52,7 +52,15 @@ def _render(plan: Any) -> list[str]:
     ]
     width = max(len(r[0]) for r in rows)
     lines += [f"  {name:<{width}}  {format_bytes(value):>12}  {why}" for name, value, why in rows]
-    if kv["attention_backend"] == "reference":
+    if kv["kind"] == "mla":
+        tensors = ", ".join(f"{t['name']} {tuple(t['shape'])} {t['dtype']}" for t in kv["layer_tensors"])
+        lines += ["", f"KV per token (multi-head latent attention, backend '{kv['attention_backend']}'): "
+                      f"{kv['num_layers']} layers × ({kv['kv_lora_rank']} latent + {kv['qk_rope_head_dim']} rotary "
+                      f"key) × {d['bytes_per_param']} B = {format_bytes(kv['bytes_per_token'])}; per block of "
+                      f"{kv['block_size']} tokens: {format_bytes(kv['bytes_per_block'])}",
+                  f"  one latent per token serves all {kv['num_heads_per_rank']} heads of this rank; layout per layer: "
+                  f"{tensors}"]
+    elif kv["attention_backend"] == "reference":
         lines += ["", f"KV per token: 2 × {kv['num_layers']} layers × {kv['num_kv_heads_per_rank']} KV heads × "
                       f"{kv['head_dim']} head dim × {d['bytes_per_param']} B = {format_bytes(kv['bytes_per_token'])}; "
                       f"per block of {kv['block_size']} tokens: {format_bytes(kv['bytes_per_block'])}"]

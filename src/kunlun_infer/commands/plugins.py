@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun_infer.commands.base import Command, Flag, Invocation
-from kunlun_infer.commands.coverage import ATTENTION_PROBE, coverage_table, ops_coverage
+from kunlun_infer.commands.coverage import ATTENTION_PROBE, MLA_PROBE, coverage_table, ops_coverage
 from kunlun_infer.hookspecs import CAPABILITIES, HOOK_API_VERSION_STR
 from kunlun_infer.tools import matrix_record as mr
 from kunlun_infer.version import __version__
@@ -145,6 +145,12 @@ def run(inv: Invocation) -> int:
                   f"store_kv and paged_attention):")
         for option, entry in coverage.items():
             inv.print(f"  ops={option}: {'?' if entry['error'] else entry['attention']}")
+        mla = MLA_PROBE
+        inv.print(f"\nMLA attention (multi-head latent: {mla.num_heads} heads, latent {mla.kv_lora_rank} + rotary key "
+                  f"{mla.qk_rope_head_dim}, {str(mla.dtype).removeprefix('torch.')}; 'reference' = the framework's "
+                  f"plain-torch MLA backend):")
+        for option, entry in coverage.items():
+            inv.print(f"  ops={option}: {'?' if entry['error'] else entry['mla_attention']}")
     return 0
 
 

@@ -13,6 +13,11 @@ kernels of :mod:`kunlun_infer.plugins.cpu_kernels` (native GEMMs, decode
 attention from the paged cache, fused norms, in the kernel set chosen for
 this CPU — the plugin's ``cpu_kernels`` stack entry says which and why); on a
 device whose tensors do not live on the host it is option ``torch``.
+
+Both options serve multi-head latent attention (hook API 1.4) with the
+backend of :mod:`kunlun_infer.plugins.torch_mla` (decode attends over the
+latent itself, with the up-projection folded into the queries); per-head
+attention keeps the reference backend over their ``paged_attention``.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from kunlun_infer.version import __version__
 from kunlun_infer.capabilities import Device, DictOpsProvider
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.ops import OP_SPECS
+from kunlun_infer.ops.attention import AttentionBackendBase, AttentionSpec
 from kunlun_infer.plugins import cpu_kernels, cpu_native
 from kunlun_infer.plugins.cpu_device import stack_versions
+from kunlun_infer.plugins.torch_mla import torch_mla_backend
 
 PLUGIN_NAME = "torch-ops"
 log = logging.getLogger(f"kunlun_infer.plugin.{PLUGIN_NAME}")
@@ -94,8 +101,15 @@ def kernels() -> dict[str, Any]:
     return table
 
 
+class TorchOps(DictOpsProvider):
+    """An op table of this plugin, with its MLA attention backend (MHA: the reference backend on the table)."""
+
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackendBase | None:
+        return torch_mla_backend(spec)
+
+
 def make_torch_ops(*, config: Any, device: Device) -> DictOpsProvider:
-    return DictOpsProvider(kernels(), name="torch")
+    return TorchOps(kernels(), name="torch")
 
 
 def make_cpu_ops(*, config: Any, device: Device | None) -> DictOpsProvider:
@@ -104,7 +118,7 @@ def make_cpu_ops(*, config: Any, device: Device | None) -> DictOpsProvider:
         log.info("ops=cpu on device '%s' (tensors on %s): using the plain torch kernels", device.name,
                  device.torch_device)
         return make_torch_ops(config=config, device=device)
-    return DictOpsProvider(cpu_kernels.kernels(), name="cpu")
+    return TorchOps(cpu_kernels.kernels(), name="cpu")
 
 
 @hookimpl

@@ -14,6 +14,11 @@ After every step the plugin's ``attend`` output must equal the reference's
 within the dtype's tolerance — which also proves what ``store_kv`` wrote,
 since later steps read it back through the plugin's own layout. The cache
 must take the same number of bytes per block whatever the block count.
+
+Multi-head latent attention (hook API 1.4) runs the same script through
+``store_latent`` and ``attend_latent`` against the reference MLA backend
+(:func:`check_mla_backend`), with random latents, rotary keys, queries and
+up-projection.
 """
 
 from __future__ import annotations
@@ -25,13 +30,17 @@ from typing import Any
 import torch
 
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
-from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec, kv_cache_bytes
+from kunlun_infer.ops.attention import (MLA, AttentionBackend, AttentionBackendBase, AttentionSpec,
+                                        MLAAttentionBackend, kv_cache_bytes, mla_spec)
 from kunlun_infer.ops.attention_step import AttentionStep
 from kunlun_infer.ops.reference_attention import REFERENCE_ATTENTION_OPS, ReferenceAttentionBackend
+from kunlun_infer.ops.reference_mla import ReferenceMLABackend
 from kunlun_infer.testing.compare import ConformanceError, assert_matches, tolerance
 
 #: (query heads, key/value heads, head size): grouped-query and plain multi-head attention
 DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 2, 64), (4, 4, 32))
+#: MLA (heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim): V2-Lite-like and small odd sizes
+DEFAULT_MLA_SHAPES: tuple[tuple[int, int, int, int, int], ...] = ((4, 32, 16, 64, 32), (3, 16, 8, 40, 24))
 DEFAULT_BLOCK_SIZE = 16
 NUM_BLOCKS = 24
 
@@ -99,16 +108,25 @@ def _zeros(backend: AttentionBackend, num_blocks: int, block_size: int, device: 
                  for t in backend.kv_cache_tensors(num_blocks, block_size))
 
 
-def check_backend(backend: AttentionBackend, spec: AttentionSpec, device: torch.device, *,
-                  block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> None:
-    """Raise :class:`ConformanceError` when ``backend`` attends differently from the reference backend."""
-    rtol, atol = tolerance(spec.dtype)
-    what = (f"attention backend '{backend.name}' ({spec.num_heads} query / {spec.num_kv_heads} kv heads of "
-            f"{spec.head_dim}, {spec.dtype}, block_size={block_size}, tolerance rtol={rtol} atol={atol})")
+def _check_bytes_per_block(backend: AttentionBackendBase, block_size: int, what: str) -> None:
     one, several = (kv_cache_bytes(backend.kv_cache_tensors(n, block_size)) for n in (1, NUM_BLOCKS))
     if one <= 0 or several != NUM_BLOCKS * one:
         raise ConformanceError(f"{what}: kv_cache_tensors take {one} bytes for 1 block and {several} for "
                                f"{NUM_BLOCKS}; a cache must take the same positive bytes per block")
+
+
+def check_backend(backend: AttentionBackendBase, spec: AttentionSpec, device: torch.device, *,
+                  block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> None:
+    """Raise :class:`ConformanceError` when ``backend`` attends differently from the reference backend."""
+    if spec.kind == MLA:
+        check_mla_backend(backend, spec, device, block_size=block_size, seed=seed)
+        return
+    rtol, atol = tolerance(spec.dtype)
+    what = (f"attention backend '{backend.name}' ({spec.num_heads} query / {spec.num_kv_heads} kv heads of "
+            f"{spec.head_dim}, {spec.dtype}, block_size={block_size}, tolerance rtol={rtol} atol={atol})")
+    if not isinstance(backend, AttentionBackend):
+        raise ConformanceError(f"{what}: a {type(backend).__name__} is not an AttentionBackend")
+    _check_bytes_per_block(backend, block_size, what)
     reference = ReferenceAttentionBackend(spec, _reference_ops())
     g = torch.Generator().manual_seed(seed)
     script = _Script(block_size, NUM_BLOCKS, g, device)
@@ -135,23 +153,75 @@ def check_backend(backend: AttentionBackend, spec: AttentionSpec, device: torch.
         assert_matches(got, want, what=f"{what}, step {number} ({kinds})", dtype=spec.dtype, path="attend output")
 
 
+def check_mla_backend(backend: AttentionBackendBase, spec: AttentionSpec, device: torch.device, *,
+                      block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> None:
+    """Raise :class:`ConformanceError` when an MLA ``backend`` attends differently from the reference MLA backend."""
+    rtol, atol = tolerance(spec.dtype)
+    what = (f"MLA attention backend '{backend.name}' ({spec.num_heads} heads, nope {spec.qk_nope_head_dim} + rope "
+            f"{spec.qk_rope_head_dim}, latent {spec.kv_lora_rank}, value {spec.v_head_dim}, {spec.dtype}, "
+            f"block_size={block_size}, tolerance rtol={rtol} atol={atol})")
+    if not isinstance(backend, MLAAttentionBackend):
+        raise ConformanceError(f"{what}: a {type(backend).__name__} is not an MLAAttentionBackend")
+    _check_bytes_per_block(backend, block_size, what)
+    reference = ReferenceMLABackend(spec)
+    g = torch.Generator().manual_seed(seed)
+    script = _Script(block_size, NUM_BLOCKS, g, device)
+    mine_cache = _zeros(backend, NUM_BLOCKS, block_size, device)
+    ref_cache = _zeros(reference, NUM_BLOCKS, block_size, device)
+    heads, nope, rope, rank = spec.num_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (std * torch.randn(*shape, generator=g)).to(spec.dtype).to(device)
+
+    kv_up = randn(heads, nope + spec.v_head_dim, rank, std=rank ** -0.5)
+    scale = spec.head_dim ** -0.5
+    for number, work in enumerate(_script(block_size), start=1):
+        order = backend.order_batch(*script.admit(work))
+        if order is not None and sorted(order) != list(range(len(work))):
+            raise ConformanceError(f"{what}: order_batch returned {list(order)}, not a permutation of "
+                                   f"{len(work)} sequences")
+        step = script.step(work, order)
+        t = step.num_tokens
+        q_nope, q_rope, latent, k_rope = randn(t, heads, nope), randn(t, heads, rope), randn(t, rank), randn(t, rope)
+        ref_meta = reference.build_metadata(step)
+        reference.store_latent(latent.clone(), k_rope.clone(), ref_cache, ref_meta)
+        want = reference.attend_latent(q_nope.clone(), q_rope.clone(), latent.clone(), k_rope.clone(), ref_cache,
+                                       ref_meta, kv_up=kv_up, scale=scale)
+        meta = backend.build_metadata(step)
+        backend.store_latent(latent.clone(), k_rope.clone(), mine_cache, meta)
+        got = backend.attend_latent(q_nope.clone(), q_rope.clone(), latent.clone(), k_rope.clone(), mine_cache,
+                                    meta, kv_up=kv_up.clone(), scale=scale)
+        kinds = ", ".join(f"{kind.value} of {n}" for kind, n in zip(step.kinds, step.query_lens))
+        assert_matches(got, want, what=f"{what}, step {number} ({kinds})", dtype=spec.dtype,
+                       path="attend_latent output")
+
+
+def mla_specs(shapes: Iterable[tuple[int, int, int, int, int]], dtype: torch.dtype) -> list[AttentionSpec]:
+    """MLA specs for ``(heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim)`` shapes."""
+    return [mla_spec(num_heads=h, qk_nope_head_dim=dn, qk_rope_head_dim=dr, kv_lora_rank=r, v_head_dim=dv,
+                     dtype=dtype) for h, dn, dr, r, dv in shapes]
+
+
 def check_attention_backend(provider: Any, device: Any, *, dtypes: Iterable[torch.dtype] | None = None,
                             shapes: Iterable[tuple[int, int, int]] = DEFAULT_SHAPES,
+                            mla_shapes: Iterable[tuple[int, int, int, int, int]] = DEFAULT_MLA_SHAPES,
                             block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> list[AttentionSpec]:
-    """Check ``provider``'s attention backend for each head shape and dtype; returns the specs checked.
+    """Check ``provider``'s attention backends for each head shape and dtype; returns the specs checked.
 
     ``device`` is the plugin's :class:`~kunlun_infer.capabilities.Device`. A
     spec for which the provider offers no backend (``None``: the reference
-    serves it) is not checked.
+    serves it) is not checked, nor an MLA spec answered with a backend of
+    another kind (the framework does not use it either).
     """
     if dtypes is None:
         dtypes = [d for d in TOLERANCES if d in device.supported_dtypes()]
     checked = []
-    for heads, kv_heads, head_dim in shapes:
-        for dtype in dtypes:
-            spec = AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    for dtype in dtypes:
+        specs = [AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+                 for heads, kv_heads, head_dim in shapes] + mla_specs(mla_shapes, dtype)
+        for spec in specs:
             backend = provider.attention_backend(spec)
-            if backend is None:
+            if backend is None or (spec.kind == MLA and not isinstance(backend, MLAAttentionBackend)):
                 continue
             check_backend(backend, spec, device.torch_device, block_size=block_size, seed=seed)
             checked.append(spec)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
-from kunlun_infer.ops.attention import AttentionSpec
+from kunlun_infer.ops.attention import AttentionSpec, MLAAttentionBackend
 from kunlun_infer.runtime import compose_config
-from kunlun_infer.testing.attention import DEFAULT_SHAPES, check_backend
+from kunlun_infer.testing.attention import DEFAULT_MLA_SHAPES, DEFAULT_SHAPES, check_backend, mla_specs
 from kunlun_infer.testing.comm import check_collectives, run_collectives
 from kunlun_infer.testing.device import check_device, check_device_lifecycle
 from kunlun_infer.testing.harness import plugin_manager
@@ -28,7 +28,8 @@ from kunlun_infer.testing.ops import check_op
 from kunlun_infer.testing.streams import check_streams
 
 __all__ = [
-    "test_attention_backend_matches_reference", "test_collectives_exact", "test_device_conformance", "test_device_lifecycle", "test_memory_allocations",
+    "test_attention_backend_matches_reference", "test_mla_attention_backend_matches_reference",
+    "test_collectives_exact", "test_device_conformance", "test_device_lifecycle", "test_memory_allocations",
     "test_memory_out_of_memory", "test_memory_reuse_and_empty_cache", "test_op_matches_reference",
     "test_streams_ordering_and_events",
 ]
@@ -79,6 +80,20 @@ def test_attention_backend_matches_reference(kunlun_runtime, shape, dtype):
     if backend is None:
         pytest.skip(f"ops plugin '{kunlun_runtime.plugin_for('ops')}' has no attention backend for this shape; "
                     f"runs use the reference backend over its store_kv and paged_attention")
+    check_backend(backend, spec, device.torch_device)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", DEFAULT_MLA_SHAPES, ids=lambda s: "h{}-nope{}-rope{}-latent{}-v{}".format(*s))
+def test_mla_attention_backend_matches_reference(kunlun_runtime, shape, dtype):
+    device = kunlun_runtime.device
+    if dtype not in device.supported_dtypes():
+        pytest.skip(f"device '{device.name}' does not support {dtype}")
+    (spec,) = mla_specs([shape], dtype)
+    backend = kunlun_runtime.ops.attention_backend(spec)
+    if not isinstance(backend, MLAAttentionBackend):
+        pytest.skip(f"ops plugin '{kunlun_runtime.plugin_for('ops')}' has no MLA attention backend; runs use the "
+                    f"framework's reference MLA backend")
     check_backend(backend, spec, device.torch_device)
 
 

@@ -33,7 +33,7 @@ from kunlun_infer.engine.startup import (choose_dtype, choose_max_model_len, est
 from kunlun_infer.layers.quantization import Quantization, estimate_weight_bytes
 from kunlun_infer.models import load_model, load_model_config, model_class, resolve_dtype
 from kunlun_infer.models.base import LayerSpan
-from kunlun_infer.ops.attention import AttentionBackendBase, AttentionSpec
+from kunlun_infer.ops.attention import MLA, AttentionBackendBase, AttentionSpec
 from kunlun_infer.runtime import PluginManager, Runtime
 from kunlun_infer.runtime.attention import plugin_attention_backend, reference_backend
 from kunlun_infer.runtime.guard import guarded_call
@@ -65,6 +65,8 @@ class MemoryPlan:
     #: with pipeline parallelism: the stages' layers and ranks (``Grid.describe``), and each stage's figures
     pipeline: str | None = None
     stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: the attention the model asked the backend for (its kind and, for MLA, the latent's sizes)
+    attention: AttentionSpec | None = None
 
     @property
     def bytes_per_param(self) -> int:
@@ -94,6 +96,11 @@ class MemoryPlan:
                    "head_dim": s.head_dim, "bytes_per_token": self.kv_bytes_per_token,
                    "block_size": self.layout.block_size, "bytes_per_block": self.layout.bytes_per_block,
                    "attention_backend": self.layout.backend.name,
+                   "kind": self.attention.kind if self.attention is not None else "mha",
+                   **({"kv_lora_rank": self.attention.kv_lora_rank,
+                       "qk_rope_head_dim": self.attention.qk_rope_head_dim,
+                       "num_heads_per_rank": self.attention.num_heads}
+                      if self.attention is not None and self.attention.kind == MLA else {}),
                    "layer_tensors": [{"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
                                      for t in self.layout.layer_tensors(max(b.num_blocks, 1))]},
             "blocks_by_memory": b.blocks_by_memory, "blocks_by_concurrency": b.blocks_by_concurrency,
@@ -223,7 +230,7 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Run
                       device_memory_source=memory_source, weight_bytes=weight_bytes, weight_source=weight_source,
                       activation_source=activation_source, warm_up_tokens=warm_tokens, comm=str(cfg.comm.name),
                       layout=layout, budget=budget, notes=notes,
-                      quantization=None if quantization is None else quantization.method)
+                      quantization=None if quantization is None else quantization.method, attention=spec)
 
 
 def _measure(runtime: Runtime, folder: Path, arch: Any, dtype: torch.dtype, block_size: int, max_model_len: int,
