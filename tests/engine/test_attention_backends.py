@@ -125,6 +125,18 @@ def test_a_backend_of_its_own_layout_gives_transformers_tokens(tiny_model, refer
     assert engine.stats()["prefix_cache_hit_tokens"] >= 112  # the repeated prompt's first seven blocks
 
 
+def test_a_1_1_plugin_answering_every_spec_with_its_mha_backend_leaves_mla_to_the_reference(tiny_model, hf_model,
+                                                                                           caplog):
+    # the padded plugin predates MLA and returns its per-head backend for any spec: it must not serve DeepSeek
+    folder = tiny_model("deepseek_v2")
+    with caplog.at_level("WARNING", logger="kunlun_infer.runtime"):
+        tokens, engine = run(folder, padded, {"ops": "padded"},
+                             params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    assert tokens == [hf_greedy(hf_model(folder), p, MAX_TOKENS) for p in PROMPTS]
+    assert engine.runner.attention.name == "reference-mla"
+    assert "answered MLA attention with a PaddedBackend" in caplog.text
+
+
 def test_n_samples_share_prompt_blocks_in_a_backend_of_its_own_layout(tiny_model, hf_model):
     folder = tiny_model("llama")
     params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Greedy tokens equal transformers' for Llama, Qwen2 and Qwen3, under every scheduling path, on every platform.
+"""Greedy tokens equal transformers' for Llama, Qwen2, Qwen3 and DeepSeek-V2/V3, under every scheduling path, on every platform.
 
 Nine prompts of varied lengths (one token, around the 16-token block size,
 a few hundred tokens) are generated together and compared with
@@ -7,7 +7,8 @@ references must come out with chunked prefill, without prefix caching, with
 prompts that hit the prefix cache, and with a KV cache so small that
 sequences are preempted and recomputed — on the built-in CPU plugins and on
 the simulated chip, whose attention backend keeps its own cache layout
-(``tests/platforms.py``).
+(``tests/platforms.py``; DeepSeek's latent attention runs there on the
+framework's reference MLA backend).
 """
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from tests.engine.tiny_models import hf_greedy
 from kunlun_infer import SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"]
 PROMPT_LENGTHS = [1, 15, 16, 17, 32, 33, 70, 150, 300]
 MAX_TOKENS = 10
 

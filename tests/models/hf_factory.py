@@ -45,15 +45,16 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # multi-head latent attention; V2-Lite style (one query projection), group-limited greedy routing
     "deepseek_v2": ("DeepseekV2Config", {
         "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1, "n_routed_experts": 8,
+        "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "n_shared_experts": 2, "moe_intermediate_size": 24,
-        "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5}),
+        "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5,
+        "first_k_dense_replace": 2}),
     # low-rank queries, sigmoid routing with a correction bias, grouped top-k over the best two of each group
     "deepseek_v3": ("DeepseekV3Config", {
         "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1, "n_routed_experts": 8,
+        "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 24, "n_group": 4,
-        "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5}),
+        "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 2}),
 }
 
 

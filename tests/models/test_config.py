@@ -13,6 +13,7 @@ from kunlun_infer.models import SUPPORTED_ARCHITECTURES, load_model, load_model_
 from tests.models.hf_factory import build_hf_model, rope_parameters
 from tests.models.paged import ReferenceRuntime
 
+MODEL_TYPES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 MINIMAL = {"vocab_size": 100, "hidden_size": 256, "intermediate_size": 96, "num_hidden_layers": 2,
            "num_attention_heads": 32}
 
@@ -27,12 +28,19 @@ def write_config(folder, generation=None, **fields):
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 def test_minimal_config_means_what_it_means_to_transformers(arch, tmp_path):
-    write_config(tmp_path, architectures=[arch], model_type=arch[:-len("ForCausalLM")].lower(), **MINIMAL)
+    model_type = MODEL_TYPES.get(arch, arch[:-len("ForCausalLM")].lower())
+    write_config(tmp_path, architectures=[arch], model_type=model_type, **MINIMAL)
     ours = load_model_config(tmp_path)
     hf = transformers.AutoConfig.from_pretrained(tmp_path)
     assert ours.architecture == arch
     assert ours.num_key_value_heads == hf.num_key_value_heads
-    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    if ours.mla is not None:  # transformers' head_dim is the rotary part; a head is nope + rope
+        assert ours.head_dim == hf.qk_nope_head_dim + hf.qk_rope_head_dim
+        assert (ours.mla.q_lora_rank, ours.mla.kv_lora_rank, ours.mla.v_head_dim) == (hf.q_lora_rank,
+                                                                                        hf.kv_lora_rank, hf.v_head_dim)
+        assert ours.first_k_dense_replace == hf.first_k_dense_replace
+    else:
+        assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert ours.max_position_embeddings == hf.max_position_embeddings
     assert ours.rope_theta == rope_parameters(hf)["rope_theta"] and ours.rope_scaling is None
     assert ours.tie_word_embeddings == hf.tie_word_embeddings

@@ -131,7 +131,8 @@ def test_column_then_row_parallel_sums_to_the_unsharded_product():
 
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
-                                             ("llama", {"vocab_size": 317})])  # uneven vocabulary split
+                                             ("llama", {"vocab_size": 317}),  # uneven vocabulary split
+                                             ("deepseek_v2", {}), ("deepseek_v3", {})])  # MLA: heads split
 def test_two_ranks_compute_transformers_logits(arch, overrides, hf_folder):
     folder, hf = hf_folder(arch, **overrides)
     g = torch.Generator().manual_seed(4)

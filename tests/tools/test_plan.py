@@ -148,3 +148,31 @@ def test_plan_for_a_card_you_do_not_have_asks_its_ops_plugin_for_the_layout(cli,
     kv = result.json()["kv"]
     assert kv["attention_backend"] == "padded"
     assert kv["bytes_per_block"] == 32 * 2 * 16 * 32 * (128 + 8) * 2  # layers × K,V × tokens × heads × dim × fp16
+
+
+#: DeepSeek-V2-Lite's attention sizes (multi-head latent attention, one query projection)
+DEEPSEEK_V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+                    "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27,
+                    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "max_position_embeddings": 163840, "first_k_dense_replace": 27, "torch_dtype": "bfloat16",
+                    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}}
+
+
+def test_plan_sizes_the_latent_cache_of_multi_head_latent_attention(cli, tmp_path):
+    folder = tmp_path / "deepseek-v2-lite"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
+    result = cli("plan", f"model.path={folder}", "device_memory=80GiB", "model.max_model_len=4096", "--json")
+    assert result.code == 0, result.err
+    kv = result.json()["kv"]
+    layers, latent, rope, bf16 = 27, 512, 64, 2
+    assert kv["kind"] == "mla" and kv["attention_backend"] == "torch-mla"
+    assert kv["bytes_per_token"] == layers * (latent + rope) * bf16  # not 2 × 16 heads × 192 × 2 B per layer
+    assert kv["layer_tensors"][0]["shape"][-1] == latent + rope
+    two_ranks = cli("plan", f"model.path={folder}", "device_memory=80GiB", "model.max_model_len=4096",
+                    "parallel.tensor_size=2", "--json").json()["kv"]
+    assert two_ranks["bytes_per_token"] == kv["bytes_per_token"]  # every rank caches the whole latent
+    text = cli("plan", f"model.path={folder}", "device_memory=80GiB", "model.max_model_len=4096").out
+    assert "multi-head latent attention" in text and "512 latent + 64 rotary key" in text

@@ -219,7 +219,7 @@ def parse_model_config(raw: dict[str, Any], path: Path, generation: dict[str, An
     mla = _mla(raw, path, field, arch) if arch in _MLA_ARCHITECTURES else None
     # DeepSeek's config.json says head_dim = qk_rope_head_dim (the rotary size); a head is nope + rope
     head_dim = mla.qk_head_dim if mla is not None else field("head_dim") or hidden // heads
-    if heads % kv_heads:
+    if heads % kv_heads and mla is None:  # MLA has no per-head K/V: its num_key_value_heads means nothing
         raise ModelLoadError(f"{path}: num_attention_heads={heads} is not a multiple of "
                              f"num_key_value_heads={kv_heads}")
     if head_dim % 2:
