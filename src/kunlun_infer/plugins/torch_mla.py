@@ -4,10 +4,10 @@ The cache is the reference layout (one ``[blocks, block_size, kv_lora_rank
 + qk_rope_head_dim]`` tensor per layer). Decode tokens of the whole batch
 never decompress the cache: the key half of the up-projection is folded into
 each query (``q_nope @ W_UK`` gives a query over the latent), so one
-scaled-dot-product attention per step reads each cached row once, in place
-of per-head keys and values — all heads of a sequence as the query-length
-axis over its single latent "head", the latent itself serving as the value
-— and the value half is applied to the attended latent afterwards
+attention per step reads each cached row once, in place of per-head keys
+and values — all heads of a sequence as rows of one matrix product with its
+single latent "head", the latent itself serving as the value — and the
+value half is applied to the attended latent afterwards
 (``@ W_UV``), as DeepSeek does. Prompts and prompt chunks, where the
 queries outnumber what decompression costs, decompress their sequence's
 context with one matrix product and run one causal SDPA each. Low precision
@@ -35,14 +35,18 @@ def absorbed_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
     w = kv_up.to(torch.float32)
     w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, dn, r], [H, dv, r]
     q_latent = torch.bmm(q_nope.to(torch.float32).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
-    query = torch.cat([q_latent, q_rope.to(torch.float32)], dim=-1).unsqueeze(1)  # [B, 1, H, r + dr]
+    query = torch.cat([q_latent, q_rope.to(torch.float32)], dim=-1)  # [B, H, r + dr]
     block_size = cache.shape[1]
     max_len = int(seq_lens.max())
+    # entries past a sequence's own blocks may hold anything: clamp them into range, the mask hides them
     ids = block_tables[:, : -(-max_len // block_size)].long().clamp(0, cache.shape[0] - 1)
-    rows = cache[ids].flatten(1, 2)[:, :max_len].to(torch.float32).unsqueeze(1)  # [B, 1, L, r + dr]
-    mask = (torch.arange(max_len, device=q_nope.device).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
-    latent_out = F.scaled_dot_product_attention(query, rows, rows[..., :rank], attn_mask=mask, scale=scale)
-    return torch.bmm(latent_out.squeeze(1).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, dv]
+    rows = cache[ids].flatten(1, 2)[:, :max_len].to(torch.float32)  # [B, L, r + dr]
+    # every head of a sequence against its one latent "head": two batched matrix products, no per-head copy
+    scores = torch.bmm(query, rows.transpose(1, 2)).mul_(scale)  # [B, H, L]
+    beyond = torch.arange(max_len, device=q_nope.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
+    probs = torch.softmax(scores.masked_fill_(beyond.unsqueeze(1), float("-inf")), dim=-1)
+    latent_out = torch.bmm(probs, rows[..., :rank])  # [B, H, r]
+    return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, dv]
 
 
 def decompressed_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
