@@ -40,7 +40,8 @@ def absorbed_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
     max_len = int(seq_lens.max())
     # entries past a sequence's own blocks may hold anything: clamp them into range, the mask hides them
     ids = block_tables[:, : -(-max_len // block_size)].long().clamp(0, cache.shape[0] - 1)
-    rows = cache[ids].flatten(1, 2)[:, :max_len].to(torch.float32)  # [B, L, r + dr]
+    rows = cache.index_select(0, ids.reshape(-1)).view(batch, -1, cache.shape[-1])[:, :max_len]
+    rows = rows.to(torch.float32)  # [B, L, r + dr]
     # every head of a sequence against its one latent "head": two batched matrix products, no per-head copy
     scores = torch.bmm(query, rows.transpose(1, 2)).mul_(scale)  # [B, H, L]
     beyond = torch.arange(max_len, device=q_nope.device).unsqueeze(0) >= seq_lens.unsqueeze(1)

@@ -188,7 +188,7 @@ def resolve_attention(runtime: ModelRuntime, required_ops: Iterable[str],
     if backend is None:
         backend = reference_backend(spec, table)
         if spec.kind == MLA:
-            runtime_log.info("MLA attention: the ops plugin has no MLA backend; using the framework's reference "
+            runtime_log.warning("MLA attention: the ops plugin has no MLA backend; using the framework's reference "
                              "backend '%s' (plain torch)", backend.name)
     runtime_log.debug("attention backend: %s", backend.name)
     return table, backend
