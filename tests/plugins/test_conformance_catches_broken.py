@@ -119,8 +119,9 @@ def test_suite_run_fails_a_broken_attention_backend(pytester, monkeypatch):
         "--pyargs", "kunlun_infer.testing.suite", "-k", "attention_backend", "-p", "no:cacheprovider",
         "--kunlun-register", "tests.tools.padded_attention_plugin", "--kunlun-plugin", "ops=padded-broken")
     outcomes = result.parseoutcomes()
-    # 2 head shapes × 3 dtypes: every dtype the host computes in fails, the others are skipped
-    assert outcomes["failed"] >= 2 and outcomes["failed"] + outcomes.get("skipped", 0) == 6
+    # 2 head shapes × 3 dtypes: every dtype the host computes in fails, the others are skipped; and the
+    # 2 × 3 MLA cases skip: the plugin predates MLA (its MHA backend for every spec is no MLA backend)
+    assert outcomes["failed"] >= 2 and outcomes["failed"] + outcomes.get("skipped", 0) == 12
     assert "passed" not in outcomes
     result.stdout.fnmatch_lines(["*attention backend 'padded'*attend output differs from the reference*"])
 
@@ -137,3 +138,29 @@ def test_check_op_catches_a_token_bitmask_read_in_the_wrong_bit_order():
         check_op(provider, "apply_token_bitmask", torch.float32, torch.device("cpu"))
     check_op(DictOpsProvider({"apply_token_bitmask": reference.apply_token_bitmask}), "apply_token_bitmask",
              torch.float32, torch.device("cpu"))
+
+
+def test_mla_backend_check_passes_the_cpu_backend_and_names_a_wrong_one():
+    from kunlun_infer.ops.attention import mla_spec
+    from kunlun_infer.plugins.torch_mla import TorchMLABackend
+    from kunlun_infer.testing.attention import check_backend
+
+    spec = mla_spec(num_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, kv_lora_rank=32, v_head_dim=12,
+                    dtype=torch.float32)
+    check_backend(TorchMLABackend(spec), spec, torch.device("cpu"))
+
+    class DropsRotaryKey(TorchMLABackend):  # caches the latent but not the rotary key
+        def store_latent(self, latent, k_rope, kv_cache, metadata):
+            super().store_latent(latent, torch.zeros_like(k_rope), kv_cache, metadata)
+
+    class ValueFromKeyHalf(TorchMLABackend):  # decompresses values with the key half of the up-projection
+        def attend_latent(self, q_nope, q_rope, latent, k_rope, kv_cache, metadata, *, kv_up, scale):
+            nope = q_nope.shape[-1]
+            swapped = torch.cat([kv_up[:, :nope], kv_up[:, :kv_up.shape[1] - nope]], dim=1)
+            return super().attend_latent(q_nope, q_rope, latent, k_rope, kv_cache, metadata, kv_up=swapped,
+                                         scale=scale)
+
+    for broken in (DropsRotaryKey, ValueFromKeyHalf):
+        with pytest.raises(ConformanceError, match=r"MLA attention backend 'torch-mla' \(4 heads.*attend_latent "
+                                                   r"output differs"):
+            check_backend(broken(spec), spec, torch.device("cpu"))

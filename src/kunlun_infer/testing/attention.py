@@ -216,13 +216,14 @@ def check_attention_backend(provider: Any, device: Any, *, dtypes: Iterable[torc
     if dtypes is None:
         dtypes = [d for d in TOLERANCES if d in device.supported_dtypes()]
     checked = []
-    for dtype in dtypes:
-        specs = [AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-                 for heads, kv_heads, head_dim in shapes] + mla_specs(mla_shapes, dtype)
-        for spec in specs:
-            backend = provider.attention_backend(spec)
-            if backend is None or (spec.kind == MLA and not isinstance(backend, MLAAttentionBackend)):
-                continue
-            check_backend(backend, spec, device.torch_device, block_size=block_size, seed=seed)
-            checked.append(spec)
+    dtypes = list(dtypes)
+    specs = [AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+             for heads, kv_heads, head_dim in shapes for dtype in dtypes]
+    specs += [spec for shape in mla_shapes for dtype in dtypes for spec in mla_specs([shape], dtype)]
+    for spec in specs:
+        backend = provider.attention_backend(spec)
+        if backend is None or (spec.kind == MLA and not isinstance(backend, MLAAttentionBackend)):
+            continue
+        check_backend(backend, spec, device.torch_device, block_size=block_size, seed=seed)
+        checked.append(spec)
     return checked
