@@ -80,7 +80,7 @@ def test_layers_split_evenly_or_as_asked_and_a_bad_split_names_the_key():
 
 
 @pytest.mark.parametrize("arch,platform", [("llama", "cpu"), ("qwen2", "cpu"), ("qwen3", "cpu"),
-                                           ("llama", "simchip")])
+                                           ("llama", "simchip"), ("deepseek_v3", "cpu")])
 def test_two_stages_generate_the_tokens_of_transformers(arch, platform, tiny_model, references):
     if platform == "simchip":
         require_simchip()  # its tensors are host tensors underneath: gloo passes them between stages

@@ -39,7 +39,8 @@ from kunlun_infer.layers import (
 )
 from kunlun_infer.layers.context import divide
 from kunlun_infer.layers.mla import MLAAttention, MLAUpProjection
-from kunlun_infer.models.base import CausalLM
+from kunlun_infer.layers import WeightSpec
+from kunlun_infer.models.base import CausalLM, LayerSpan
 from kunlun_infer.models.config import MLAConfig, ModelArchConfig
 from kunlun_infer.models.llama import LlamaMLP
 from kunlun_infer.ops.attention import AttentionSpec, mla_spec
@@ -127,20 +128,31 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int):
+    """The decoder layers of ``span`` (the embedding only on the first stage, the final norm only on the last).
+
+    Layers keep their checkpoint index; another pipeline stage's are empty placeholders.
+    """
+
+    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int, span: LayerSpan):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx) \
+            if span.is_first else None
         self.rotary_emb = RotaryEmbedding(config.mla.qk_rope_head_dim, max_positions, config.rope_theta,
                                           config.rope_scaling, config.max_position_embeddings, ctx)
+        self.span = span
         self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, self.rotary_emb, ctx)
+                                    if span.start <= i < span.end else nn.Identity()  # another stage's
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if span.is_last else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
-                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                kv_caches: list[tuple[torch.Tensor, ...]],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        for layer, kv_cache in zip(self.layers[self.span.start:self.span.end], kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, attn, kv_cache)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -150,12 +162,16 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int):
+    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int,
+                 span: LayerSpan | None = None):
         super().__init__(config, ctx)
-        self.model = DeepseekModel(config, ctx, max_positions)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, tied_to=tied)
-        self.num_layers = config.num_hidden_layers
+        self.span = span = span if span is not None else LayerSpan.whole(config.num_hidden_layers)
+        self.model = DeepseekModel(config, ctx, max_positions, span)
+        self.lm_head = None
+        if span.is_last:
+            tied = self.model.embed_tokens if config.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, tied_to=tied)
+        self.num_layers = span.num_layers
         # what one token caches per layer: the latent and the rotary key, shared by every head
         self.num_kv_heads = 1
         self.head_dim = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
@@ -168,17 +184,27 @@ class DeepseekV2ForCausalLM(CausalLM):
                         qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
                         kv_lora_rank=mla.kv_lora_rank, v_head_dim=mla.v_head_dim, dtype=dtype)
 
-    def is_ignored_tensor(self, name: str) -> bool:
-        # DeepSeek-V3 checkpoints carry multi-token-prediction layers after the last decoder layer
-        parts = name.split(".")
-        if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-            if int(parts[2]) >= self.config.num_hidden_layers:
-                return True
-        return super().is_ignored_tensor(name)
+    def checkpoint_tensors(self) -> dict[str, tuple[nn.Module, WeightSpec]]:
+        tensors = super().checkpoint_tensors()
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is None:
+            tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
+        return tensors
+
+    def owns_tensor(self, name: str) -> bool:
+        # DeepSeek-V3 checkpoints carry multi-token-prediction layers after the last decoder layer: never ours
+        span = self.span
+        if name.startswith("model.layers."):
+            return span.start <= int(name.split(".")[2]) < span.end
+        if name.startswith("model.embed_tokens."):
+            return span.is_first or (span.is_last and self.config.tie_word_embeddings)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return span.is_last
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
-                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        return self.model(input_ids, positions, attn, kv_caches)
+                kv_caches: list[tuple[torch.Tensor, ...]],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        return self.model(input_ids, positions, attn, kv_caches, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
