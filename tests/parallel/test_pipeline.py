@@ -30,6 +30,7 @@ from tests.parallel.test_tensor_parallel import TEXT_PROMPTS, generate_command, 
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+SCORED = SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=1)
 
 
 def pp(stages: int, tensor_size: int = 1, *extra: str, **keys) -> list[str]:
@@ -89,8 +90,15 @@ def test_two_stages_generate_the_tokens_of_transformers(arch, platform, tiny_mod
         assert llm.config.comm.name == "gloo" and len(my_workers()) == 1
         assert llm.engine.runner.model.lm_head is None  # rank 0 holds the first stage only
         got = [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+        scored = None
+        if (arch, platform) == ("llama", "cpu"):  # the logits that come back are the whole model's, to the bit
+            scored = llm.generate(prompts()[1:3], SCORED, use_tqdm=False)
         stats = llm.engine.stats()
     assert got == references(folder)
+    if scored is not None:
+        with LLM(model=str(folder), overrides=overrides(1)) as one:
+            alone = one.generate(prompts()[1:3], SCORED, use_tqdm=False)
+        assert [(o.logprobs, o.prompt_logprobs) for o in scored] == [(o.logprobs, o.prompt_logprobs) for o in alone]
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert my_workers() == []
 

@@ -52,6 +52,9 @@ _RESTART = "close this engine and start a new one"
 class TensorParallelGroup:
     """The ``parallel.tensor_size`` ranks of one engine, seen from rank 0."""
 
+    #: how errors name the group and its ranks
+    kind = "tensor-parallel"
+
     def __init__(self, cfg: DictConfig, runtime: Runtime) -> None:
         self.size = int(cfg.parallel.tensor_size)
         self.timeout_s = float(cfg.comm.timeout_s)
@@ -110,9 +113,9 @@ class TensorParallelGroup:
             thread.join(_POLL_S)
             dead = self.workers.dead() if self.workers is not None else []
             if dead:
-                raise WorkerError(f"tensor-parallel start-up failed while {what}: {'; '.join(dead)}")
+                raise WorkerError(f"{self.kind} start-up failed while {what}: {'; '.join(dead)}")
             if time.monotonic() > deadline and thread.is_alive():
-                raise WorkerError(f"tensor-parallel start-up: {what} took longer than "
+                raise WorkerError(f"{self.kind} start-up: {what} took longer than "
                                   f"parallel.worker_timeout_s={self.worker_timeout_s:g}s")
         if "error" in result:
             raise result["error"]
@@ -143,7 +146,7 @@ class TensorParallelGroup:
             raise failure
         failed = [s for s in statuses if not s.ok]
         if failed:
-            raise WorkerError("; ".join(f"tensor-parallel rank {s.rank} could not load its shard: {s.error}"
+            raise WorkerError("; ".join(f"{self.kind} rank {s.rank} could not load its shard: {s.error}"
                                         for s in failed))
         self.min_free_bytes = min(s.free_bytes for s in statuses)
         self._start_heartbeat()
@@ -175,12 +178,12 @@ class TensorParallelGroup:
 
     def _check(self, what: str) -> None:
         if self._closed:
-            raise WorkerError(f"the tensor-parallel group is closed; cannot go on {what}")
+            raise WorkerError(f"the {self.kind} group is closed; cannot go on {what}")
         dead = self.workers.dead() if self.workers is not None else []
         if dead and self._broken is None:
             self._broken = "; ".join(dead)
         if self._broken is not None:
-            raise WorkerError(f"the tensor-parallel group is out of service ({self._broken}); {_RESTART}")
+            raise WorkerError(f"the {self.kind} group is out of service ({self._broken}); {_RESTART}")
 
     def _as_worker_error(self, exc: BaseException, what: str) -> WorkerError | None:
         """The ``WorkerError`` for ``exc``, or ``None`` when rank 0 itself failed (not a peer)."""
@@ -192,10 +195,10 @@ class TensorParallelGroup:
             return WorkerError(f"{'; '.join(dead)} (during {what}); {_RESTART}")
         cause = exc.__cause__ or exc
         if timed_out:
-            return WorkerError(f"a tensor-parallel rank did not answer within comm.timeout_s={self.timeout_s:g}s "
+            return WorkerError(f"a {self.kind} rank did not answer within comm.timeout_s={self.timeout_s:g}s "
                                f"during {what} (hung, or far slower than rank 0): {cause}; {_RESTART}")
         if from_comm:
-            return WorkerError(f"a tensor-parallel collective failed during {what} ({cause}); a peer rank "
+            return WorkerError(f"a {self.kind} exchange failed during {what} ({cause}); a peer rank "
                                f"probably died; {_RESTART}")
         return None
 
@@ -244,7 +247,7 @@ class TensorParallelGroup:
                             self.plane.send_stop()
                         stopped = True
                     except Exception as exc:  # noqa: BLE001 - the workers are reaped below anyway
-                        log.warning("could not stop the tensor-parallel workers cleanly: %s", exc)
+                        log.warning("could not stop the %s workers cleanly: %s", self.kind, exc)
             finally:
                 self._closed = True
                 self._lock.release()

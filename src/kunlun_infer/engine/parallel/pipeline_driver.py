@@ -78,6 +78,8 @@ class Pending:
 class PipelineGroup(TensorParallelGroup):
     """All ranks of a ``pipeline_size × tensor_size`` engine, seen from rank 0."""
 
+    kind = "pipeline"
+
     def __init__(self, cfg: DictConfig, runtime: Runtime, grid: Grid) -> None:
         super().__init__(cfg, runtime)
         self.grid = grid
