@@ -152,3 +152,24 @@ def test_a_sequence_is_admitted_with_the_slots_of_its_forks_which_they_take_over
     sched.finish(children[0], "abort")
     batch, _ = step(sched)
     assert late_pair in batch.seqs
+
+
+def test_a_sequence_in_flight_is_neither_scheduled_again_nor_preempted_and_batches_take_a_share():
+    # 2 blocks of 4 tokens: two 4-token prompts fill them, and the first decode needs a third
+    sched = make_scheduler(num_blocks=2, max_num_seqs=4)
+    old, new = add(sched, 0, 4, max_tokens=8), add(sched, 1, 4, max_tokens=8)
+    first = sched.schedule(max_seqs=1)
+    assert first.seqs == [old]  # at most its share
+    second = sched.schedule(busy={old.seq_id}, max_seqs=1)
+    assert second.seqs == [new]
+    assert sched.schedule(busy={old.seq_id, new.seq_id}).seqs == []  # both in flight: nothing to run
+    for batch in (first, second):
+        sched.update(batch)
+        batch.seqs[0].append_token(7)
+    # the newest sequence is in flight, so the oldest cannot take its blocks: the oldest steps back itself
+    blocks_of_new = list(new.block_table)
+    assert sched.schedule(busy={new.seq_id}, max_seqs=1).seqs == []
+    assert old.status is SequenceStatus.WAITING and sched.num_preemptions == 1
+    assert new.status is SequenceStatus.RUNNING and new.block_table == blocks_of_new
+    # once its step is back, the newest sequence decodes (with the blocks the oldest gave back)
+    assert sched.schedule(max_seqs=1).seqs == [new]

@@ -10,6 +10,10 @@ block, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of ``waiting``, to be recomputed when it resumes
 (its cached prefix blocks often make that cheap).
 
+With pipeline stages several batches are in flight at once: a sequence
+whose step has not come back (``busy``) is neither scheduled nor preempted,
+and each batch takes at most its share of the sequences (``max_seqs``).
+
 A sequence is admitted only with room for all the batch slots it holds
 (``Sequence.num_slots``): those of the sequences to be forked off it later
 (the samples of an ``n > 1`` request, see ``engine/sample_group.py``). A
