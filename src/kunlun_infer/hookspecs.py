@@ -122,6 +122,13 @@ Changes
     written for 1.3 or earlier loads and runs unchanged: MLA models get the
     reference MLA backend, even from a provider that answers every spec with
     its MHA backend.
+    Also in 1.4, mixture-of-experts ops in the op table: ``moe_route`` (router
+    logits to each token's top-k experts and their weights: softmax or
+    sigmoid scores, grouped top-k, a correction bias for the choice,
+    renormalisation, a scaling factor), ``pack_moe_weights`` and
+    ``fused_moe`` (the chosen experts' SiLU-gated MLPs over stacked expert
+    weights, combined by the weights). Like every op, a provider without them
+    is served by the references; a 1.3 plugin loads and runs unchanged.
 """
 
 from __future__ import annotations

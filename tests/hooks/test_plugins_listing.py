@@ -12,6 +12,7 @@ from tests.hooks.conftest import require_package
 require_package("kunlun_infer_simchip", "kunlun-infer-simchip")
 
 from kunlun_infer.cli import main  # noqa: E402
+from kunlun_infer.layers.moe import MOE_OPS  # noqa: E402
 from kunlun_infer.layers.quantization import INT8_OPS  # noqa: E402
 
 
@@ -42,8 +43,8 @@ def test_json_matrix_carries_coverage_per_ops_option():
     data = json.loads(run("plugins", "--json"))
     simchip = data["ops_coverage"]["simchip"]
     assert simchip["plugin"] == "simchip" and simchip["error"] is None
-    # plus the int8 ops of hook API 1.3, which this plugin predates
-    assert simchip["fallbacks"] == sorted(["paged_attention", "rotary_embedding", *INT8_OPS])
+    # plus the int8 ops of hook API 1.3 and the mixture-of-experts ops of 1.4, which this plugin predates
+    assert simchip["fallbacks"] == sorted(["paged_attention", "rotary_embedding", *INT8_OPS, *MOE_OPS])
     assert simchip["attention"] == "simchip-kunlun-layout"  # its own backend: paged_attention is not needed
     for builtin in ("torch", "cpu"):  # the built-in op tables are complete and answer without a device
         assert data["ops_coverage"][builtin]["error"] is None

@@ -35,7 +35,10 @@ class OpSpec:
     ``reference``: the plain-torch definition. ``sample``: builds
     ``(args, kwargs)`` for a conformance check from a dtype, a torch device and
     a seeded generator. ``in_place_arg``: index of an argument the op mutates
-    (compared instead of the return value), or ``None``.
+    (compared instead of the return value), or ``None``. ``variants``: how
+    many distinct samples the conformance suite draws (seeds ``0..variants-1``;
+    a sample may choose its case from ``g.initial_seed()``), for ops whose
+    options change what they compute.
     """
 
     name: str
@@ -43,6 +46,7 @@ class OpSpec:
     sample: Callable[[torch.dtype, torch.device, torch.Generator], tuple[tuple, dict]]
     in_place_arg: int | None = None
     doc: str = ""
+    variants: int = 1
 
 
 def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -142,6 +146,39 @@ def _sample_token_bitmask(dtype, device, g):
     return (logits, bitmask.to(device), torch.tensor([4, 0, 2], device=device)), {}
 
 
+#: the cases of ``moe_route``'s conformance samples: Mixtral / Qwen3-MoE, DeepSeek-V2, DeepSeek-V3
+_ROUTE_CASES = (
+    dict(top_k=2, scoring="softmax", renormalize=True),
+    dict(top_k=3, scoring="softmax", num_expert_group=4, topk_group=2, group_score="max", routed_scaling_factor=16.0),
+    dict(top_k=4, scoring="sigmoid", renormalize=True, num_expert_group=4, topk_group=2, group_score="top2_sum",
+         routed_scaling_factor=2.5),
+)
+
+
+def _sample_moe_route(dtype, device, g):
+    case = _ROUTE_CASES[g.initial_seed() % len(_ROUTE_CASES)]
+    logits = _randn(g, 9, 16, dtype=dtype, device=device)
+    kwargs = dict(case)
+    if case["scoring"] == "sigmoid":
+        kwargs["correction_bias"] = (0.1 * torch.randn(16, generator=g)).to(device)
+    return (logits, kwargs.pop("top_k")), kwargs
+
+
+def _moe_weights(g, dtype, device, experts: int, hidden: int, intermediate: int):
+    w13 = (torch.randn(experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5).to(dtype=dtype, device=device)
+    w2 = (torch.randn(experts, hidden, intermediate, generator=g) / intermediate ** 0.5).to(dtype=dtype, device=device)
+    return w13, w2
+
+
+def _sample_fused_moe(dtype, device, g):
+    tokens, experts, top_k, hidden, intermediate = 11, 6, 2, 32, 24
+    x = _randn(g, tokens, hidden, dtype=dtype, device=device)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    ids[3, 1] = -1  # an expert held by another rank: contributes nothing
+    weights = torch.rand(tokens, top_k, generator=g)
+    return (x, _moe_weights(g, dtype, device, experts, hidden, intermediate), weights.to(device), ids.to(device)), {}
+
+
 OP_SPECS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (
@@ -158,6 +195,10 @@ OP_SPECS: dict[str, OpSpec] = {
         # added in hook API 1.3 (model.quantization=int8)
         OpSpec("pack_int8_linear_weight", reference.pack_int8_linear_weight, _sample_pack_int8),
         OpSpec("int8_linear", reference.int8_linear, _sample_int8_linear),
+        # added in hook API 1.4 (mixture-of-experts models)
+        OpSpec("moe_route", reference.moe_route, _sample_moe_route, variants=len(_ROUTE_CASES)),
+        OpSpec("pack_moe_weights", reference.pack_moe_weights, _sample_fused_moe),
+        OpSpec("fused_moe", reference.fused_moe, _sample_fused_moe),
     )
 }
 for _name, _spec in OP_SPECS.items():

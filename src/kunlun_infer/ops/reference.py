@@ -194,3 +194,84 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, rows, masked)
+
+
+# ---------------------------------------------------------------------- mixture of experts (hook API 1.4)
+
+#: scoring functions ``moe_route`` takes, and how it scores a group of experts for grouped top-k
+MOE_SCORING = ("softmax", "sigmoid")
+MOE_GROUP_SCORES = ("max", "top2_sum")
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False,
+              num_expert_group: int = 1, topk_group: int = 1, group_score: str = "max",
+              correction_bias: torch.Tensor | None = None,
+              routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose ``top_k`` experts per token from ``router_logits`` ``[T, E]``: ``(weights, ids)``, both ``[T, top_k]``.
+
+    In float32: ``scores = softmax(logits)`` or ``sigmoid(logits)`` (``scoring``). Experts are *chosen* by
+    ``scores + correction_bias`` (``[E]``, DeepSeek-V3's ``e_score_correction_bias``; none by default); with
+    ``num_expert_group > 1`` the ``E`` experts form that many equal groups, each group is scored by the ``max``
+    of its choice scores or the sum of its two best (``group_score="top2_sum"``), and only experts of the
+    ``topk_group`` best groups may be chosen. The *weights* are the unbiased ``scores`` of the chosen experts,
+    divided by their sum (+1e-20) when ``renormalize``, then multiplied by ``routed_scaling_factor``.
+    ``weights`` are float32, ``ids`` int32, in descending order of the choice score.
+    """
+    if scoring not in MOE_SCORING:
+        raise ValueError(f"moe_route: scoring={scoring!r}; use one of {', '.join(MOE_SCORING)}")
+    logits = router_logits.to(torch.float32)
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)
+    if num_expert_group > 1:
+        if group_score not in MOE_GROUP_SCORES:
+            raise ValueError(f"moe_route: group_score={group_score!r}; use one of {', '.join(MOE_GROUP_SCORES)}")
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, num_expert_group, experts // num_expert_group)
+        if group_score == "max":
+            per_group = grouped.max(dim=-1).values
+        else:
+            per_group = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best_groups = per_group.topk(topk_group, dim=-1).indices
+        allowed = torch.zeros_like(per_group, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(experts // num_expert_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepare the stacked expert weights for ``fused_moe``; the reference keeps the pair.
+
+    ``w13``: ``[E, 2 * I, H]``, each expert's gate projection (rows ``:I``) over its up projection (rows
+    ``I:``); ``w2``: ``[E, H, I]``, each expert's down projection. A provider may return any object; the
+    framework only passes it back to the same provider's ``fused_moe``.
+    """
+    return w13, w2
+
+
+def fused_moe(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts' SiLU-gated MLPs, combined: ``[T, H]`` → ``[T, H]`` in ``x``'s dtype.
+
+    ``packed`` came from ``pack_moe_weights(w13, w2)``; ``topk_ids`` ``[T, k]`` (int32 or int64) are
+    expert rows of those weights, a negative id contributes nothing (an expert held elsewhere);
+    ``topk_weights`` ``[T, k]`` float32. For each (token, expert): ``h = silu(x @ gate.T) * (x @ up.T)``,
+    ``y = h @ down.T`` — each matmul accumulated in float32 and rounded to ``x``'s dtype, like ``linear`` —
+    and the output is ``sum_k weight * y`` summed in float32, rounded once.
+    """
+    w13, w2 = packed
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
+    flat_weights = topk_weights.reshape(-1).to(torch.float32)
+    for expert in range(w13.shape[0]):  # one expert at a time, only the tokens routed to it
+        rows = (flat_ids == expert).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            continue
+        tokens = token_of[rows]
+        hidden = silu_and_mul(F.linear(x[tokens], w13[expert]))
+        y = F.linear(hidden, w2[expert])
+        out.index_add_(0, tokens, y.to(torch.float32) * flat_weights[rows, None])
+    return out.to(x.dtype)

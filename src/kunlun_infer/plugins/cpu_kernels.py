@@ -20,6 +20,9 @@ Where the time of a CPU step goes, and what each kernel does about it:
   one C call each (``native/elementwise.c``) instead of five to fifteen
   torch ops, with the reference's roundings; plain torch where the native
   library is missing or the layout does not fit.
+- ``fused_moe`` (mixture-of-experts layers) — :mod:`kunlun_infer.plugins.cpu_moe`:
+  the (token, expert) pairs sorted by expert once, then two GEMMs per expert
+  that any token chose, on each expert's weights packed like ``linear``'s.
 - ``apply_token_bitmask`` (structured output) — one masked store of
   ``-inf`` per 16 logits (8 on AVX2; ``native/token_bitmask.c``) instead of
   unpacking the bitmask into a boolean tensor 32 times its size.
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.ops import OP_SPECS, reference
-from kunlun_infer.plugins import cpu_gemm, cpu_native
+from kunlun_infer.plugins import cpu_gemm, cpu_moe, cpu_native
 from kunlun_infer.plugins.cpu_attention import paged_attention
 
 #: attribute set on a weight this module reordered for oneDNN
@@ -111,6 +114,20 @@ def int8_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None = None) 
         # other float dtypes widen exactly to float32, and the float32 result rounds as the reference's does
         return cpu_gemm.linear_int8(x.to(torch.float32), packed, bias).to(x.dtype)
     return reference.int8_linear(x, packed, bias)
+
+
+# ---------------------------------------------------------------------- mixture of experts
+
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> Any:
+    """Each expert's weights packed as ``pack_linear_weight`` packs a weight; the reference's pair off the host."""
+    if w13.device.type != "cpu" or w2.device.type != "cpu":
+        return reference.pack_moe_weights(w13, w2)
+    return cpu_moe.pack_moe_weights(w13, w2, pack_linear_weight)
+
+
+def fused_moe(x: torch.Tensor, packed: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``ops.reference.fused_moe`` by :mod:`kunlun_infer.plugins.cpu_moe` (tokens grouped by expert)."""
+    return cpu_moe.fused_moe(x, packed, topk_weights, topk_ids, linear=linear, silu_and_mul=silu_and_mul)
 
 
 # ---------------------------------------------------------------------- norms, activation, rotary
@@ -200,5 +217,6 @@ def kernels() -> dict[str, Any]:
     table.update(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul,
                  rotary_embedding=rotary_embedding, paged_attention=paged_attention,
                  pack_linear_weight=pack_linear_weight, linear=linear, apply_token_bitmask=apply_token_bitmask,
-                 pack_int8_linear_weight=pack_int8_linear_weight, int8_linear=int8_linear)
+                 pack_int8_linear_weight=pack_int8_linear_weight, int8_linear=int8_linear,
+                 pack_moe_weights=pack_moe_weights, fused_moe=fused_moe)
     return table

@@ -6,7 +6,7 @@ once and counted) — or, with ``ops.strict=true``, the run is refused with the
 list of missing ops. ``pack_linear_weight`` and ``linear`` always come from
 the same source, since a provider's ``linear`` only understands weights its
 own ``pack_linear_weight`` prepared (likewise ``pack_int8_linear_weight`` and
-``int8_linear``).
+``int8_linear``, and ``pack_moe_weights`` and ``fused_moe``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from kunlun_infer.runtime.guard import DeferredFailures, guarded_call, plugin_fa
 REFERENCE = "reference"
 #: ops that must be served by one source together
 COUPLED_OPS: tuple[frozenset[str], ...] = (frozenset({"pack_linear_weight", "linear"}),
-                                           frozenset({"pack_int8_linear_weight", "int8_linear"}))
+                                           frozenset({"pack_int8_linear_weight", "int8_linear"}),
+                                           frozenset({"pack_moe_weights", "fused_moe"}))
 
 
 class OpTable:

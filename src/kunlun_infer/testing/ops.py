@@ -3,8 +3,10 @@
 ``pack_linear_weight`` and ``linear`` are checked together
 (``linear(x, pack(w), b)`` against the reference ``linear(x, w, b)``), since
 only the provider's own ``linear`` understands its packed weights; so are
-``pack_int8_linear_weight`` and ``int8_linear``. For ops
-that mutate an argument (``store_kv``) the mutated argument is compared.
+``pack_int8_linear_weight`` and ``int8_linear``, and ``pack_moe_weights``
+and ``fused_moe``. For ops that mutate an argument (``store_kv``) the
+mutated argument is compared. An op with several ``variants`` (``moe_route``:
+softmax, grouped, sigmoid with a correction bias) is checked in each.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from kunlun_infer.testing.compare import ConformanceError, assert_matches, toler
 
 
 #: op -> (the op that packs a weight, the op that multiplies with it): checked together, as the pair
-_PACKED_PAIRS = {op: pair for pair in (("pack_linear_weight", "linear"), ("pack_int8_linear_weight", "int8_linear"))
+_PACKED_PAIRS = {op: pair for pair in (("pack_linear_weight", "linear"), ("pack_int8_linear_weight", "int8_linear"),
+                                      ("pack_moe_weights", "fused_moe"))
                  for op in pair}
 
 
@@ -43,13 +46,13 @@ def check_op(provider: Any, op: str, dtype: torch.dtype, device: torch.device, *
             args, kwargs = OP_SPECS[use_op].sample(dtype, device, torch.Generator().manual_seed(seed))
             if not provider.supports(use_op):
                 raise ConformanceError(f"{what}: the provider packs weights but has no '{use_op}' to use them")
-        x, weight, bias = args
+        x, weight, *rest = args  # the op that uses a packed weight takes it second: use_op(x, packed, ...)
         pack = provider.get(pack_op) if provider.supports(pack_op) else getattr(reference, pack_op)
         weight_parts = weight if isinstance(weight, tuple) else (weight,)
         packed = pack(*_clone(weight_parts))
-        got = provider.get(use_op)(x.clone(), packed, bias.clone())
-        want = getattr(reference, use_op)(x, getattr(reference, pack_op)(*weight_parts), bias)
-        assert_matches(got, want, what=f"{what} via {use_op}(x, pack(w), b)", dtype=dtype)
+        got = provider.get(use_op)(x.clone(), packed, *_clone(rest))
+        want = getattr(reference, use_op)(x, getattr(reference, pack_op)(*weight_parts), *rest)
+        assert_matches(got, want, what=f"{what} via {use_op}(x, pack(w), ...)", dtype=dtype)
         return
     mine_args, ref_args = _clone(args), _clone(args)
     got = provider.get(op)(*mine_args, **_clone(kwargs))
@@ -74,6 +77,7 @@ def check_ops(provider: Any, device: Any, *, dtypes: Iterable[torch.dtype] | Non
         if not provider.supports(op):
             continue
         for dtype in dtypes:
-            check_op(provider, op, dtype, device.torch_device)
+            for seed in range(OP_SPECS[op].variants if op in OP_SPECS else 1):
+                check_op(provider, op, dtype, device.torch_device, seed=seed)
             checked.append((op, dtype))
     return checked

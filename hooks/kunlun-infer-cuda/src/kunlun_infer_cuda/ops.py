@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from kunlun_infer.capabilities import DictOpsProvider
 from kunlun_infer.ops import reference
+from kunlun_infer.ops.moe import grouped_fused_moe
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,6 +101,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out.transpose(1, 2)[q_valid].to(q.dtype)  # [T, Hq, D] in sequence order
 
 
+def fused_moe(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Tokens grouped by expert (one host sync for the counts), two matmuls per expert that has any."""
+    w13, w2 = packed
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(rows, w13[expert])), w2[expert])
+
+    return grouped_fused_moe(x, topk_weights, topk_ids, w13.shape[0], w2.shape[1], expert_mlp)
+
+
 KERNELS = {
     "rms_norm": rms_norm,
     "add_rms_norm": add_rms_norm,
@@ -112,6 +124,10 @@ KERNELS = {
     "paged_attention": paged_attention,
     # structured output: the reference's shifts and masked fill are element-wise, fast as they are on a GPU
     "apply_token_bitmask": reference.apply_token_bitmask,
+    # mixture of experts: routing is a handful of element-wise ops and a top-k; the stacked weights stay as they are
+    "moe_route": reference.moe_route,
+    "pack_moe_weights": reference.pack_moe_weights,
+    "fused_moe": fused_moe,
 }
 
 
