@@ -238,6 +238,32 @@ class Comm(abc.ABC):
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy ``src``'s tensor into every rank's ``tensor`` (in place)."""
 
+    def all_to_all(self, tensor: torch.Tensor, send_splits: Sequence[int],
+                   recv_splits: Sequence[int]) -> torch.Tensor:
+        """Exchange rows: the first ``send_splits[0]`` rows (dim 0) of ``tensor`` go to rank 0, the next
+        ``send_splits[1]`` to rank 1, …; returns the rows received, rank 0's first, ``recv_splits[i]`` of them
+        from rank ``i`` (each rank's ``recv_splits[i]`` is rank ``i``'s ``send_splits`` entry for it).
+
+        Used by expert parallelism (``parallel.expert_size``) to send tokens to the ranks owning their
+        experts and the results back. This default, for comm plugins written before hook API 1.4, is built
+        on :meth:`all_gather` (every rank's split sizes, then every rank's rows padded to the longest): it
+        moves ``world_size`` times the data a native all-to-all moves. Plugins override it.
+        """
+        if self.world_size == 1:
+            return tensor
+        ranks = self.world_size
+        counts = torch.tensor(list(send_splits), dtype=torch.int64, device=tensor.device)
+        table = self.all_gather(counts.view(1, ranks), dim=0).tolist()  # table[i][j]: rows rank i sends rank j
+        longest = max(sum(row) for row in table)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[:tensor.shape[0]] = tensor
+        gathered = self.all_gather(padded.unsqueeze(0), dim=0)  # [ranks, longest, ...]
+        parts = [gathered[i, sum(table[i][:self.rank]):sum(table[i][:self.rank + 1])] for i in range(ranks)]
+        if [p.shape[0] for p in parts] != list(recv_splits):
+            raise ValueError(f"all_to_all: rank {self.rank} expected {list(recv_splits)} rows, the ranks send "
+                             f"{[p.shape[0] for p in parts]}")
+        return torch.cat(parts)
+
     @abc.abstractmethod
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable control-plane object from ``src``; returns it on every rank."""

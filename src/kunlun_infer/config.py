@@ -130,7 +130,8 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    """``parallel`` group: tensor and pipeline parallelism (``pipeline_size`` × ``tensor_size`` ranks)."""
+    """``parallel`` group: tensor and pipeline parallelism (``pipeline_size`` × ``tensor_size`` ranks), and how
+    mixture-of-experts models spread their experts."""
 
     tensor_size: int = ranged(1, "at least 1", _at_least(1))
     #: pipeline stages, each a contiguous run of layers on its own ``tensor_size`` ranks
@@ -139,6 +140,9 @@ class ParallelConfig:
     pipeline_layers: Optional[List[int]] = None
     #: batches in flight through the pipeline at once (at least 2 lets the stages overlap)
     pipeline_batches: int = ranged(2, "at least 1", _at_least(1))
+    #: ranks the experts are divided among: 1 splits every expert like a dense MLP (tensor parallelism);
+    #: ``tensor_size`` gives each rank whole experts and sends tokens to them (expert parallelism)
+    expert_size: int = ranged(1, "at least 1", _at_least(1))
     #: ``tcp://host:port`` for rendezvous of engine-spawned workers; ``None`` = pick a free port
     init_method: Optional[str] = None
     #: seconds to wait for a worker before declaring it dead

@@ -1,4 +1,5 @@
-"""Greedy tokens equal transformers' for Llama, Qwen2, Qwen3 and DeepSeek-V2/V3, under every scheduling path, on every platform.
+"""Greedy tokens equal transformers' for Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral and DeepSeek-V2/V3, under every
+scheduling path, on every platform.
 
 Nine prompts of varied lengths (one token, around the 16-token block size,
 a few hundred tokens) are generated together and compared with
@@ -17,7 +18,7 @@ import torch
 from tests.engine.tiny_models import hf_greedy
 from kunlun_infer import SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
 PROMPT_LENGTHS = [1, 15, 16, 17, 32, 33, 70, 150, 300]
 MAX_TOKENS = 10
 

@@ -6,8 +6,9 @@ second. Every weight is random (norm weights and qkv biases included). Their
 tokenizer is byte-level (one token per byte plus an end-of-text token), so
 random generations exercise multi-byte streaming. Presets: ``llama`` (GQA),
 ``qwen2`` (qkv bias, one KV head, tied embeddings), ``qwen3`` (q/k norm,
-explicit ``head_dim``), ``deepseek_v2`` / ``deepseek_v3`` (multi-head latent
-attention).
+explicit ``head_dim``), ``qwen3_moe`` (2 of 8 experts in layers 0 and 2, a
+dense layer 1), ``mixtral`` (2 of 4 experts in every layer), ``deepseek_v2`` /
+``deepseek_v3`` (multi-head latent attention).
 """
 
 from __future__ import annotations
@@ -24,12 +25,21 @@ PRESETS = {
     "llama": {},
     "qwen2": {"num_key_value_heads": 1, "tie_word_embeddings": True},
     "qwen3": {"head_dim": 16},
+    "qwen3_moe": {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]},
+    "mixtral": {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     # multi-head latent attention: V2-Lite style queries and interleaved rotary pairs; V3 low-rank queries
     "deepseek_v2": {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
                     "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 2},
     "deepseek_v3": {"num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
                     "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 2},
 }
+#: transformers class names per preset (config, model)
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+           "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+           "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 
 
 def build_byte_tokenizer(folder: Path) -> None:
@@ -46,14 +56,10 @@ def build_byte_tokenizer(folder: Path) -> None:
 
 
 def build_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Save a random ``arch`` (a key of ``PRESETS``) model with a byte tokenizer into ``folder``."""
+    """Save a random ``arch`` (a key of :data:`PRESETS`) model with a byte tokenizer into ``folder``."""
     import transformers as tf
 
-    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-               "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
-               "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}
-    config_cls, model_cls = classes[arch]
+    config_cls, model_cls = (getattr(tf, name) for name in CLASSES[arch])
     kwargs = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
                   eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,

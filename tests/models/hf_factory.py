@@ -8,7 +8,8 @@ included, so a layer that ignores one of them changes the logits.
 
 Presets (``ARCHITECTURES``): ``llama`` (GQA), ``llama_mqa`` (one KV head),
 ``mistral``, ``qwen2`` (qkv bias, tied embeddings), ``qwen3`` (q/k norm,
-``head_dim`` != hidden / heads), ``deepseek_v2`` and ``deepseek_v3``
+``head_dim`` != hidden / heads), ``qwen3_moe`` and ``mixtral`` (mixture of
+experts), ``deepseek_v2`` and ``deepseek_v3``
 (multi-head latent attention, a dense first layer, shared and routed
 experts). Any config field can be overridden.
 """
@@ -42,6 +43,11 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None, "num_key_value_heads": 2}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # mixture of experts: layer 1 of 3 is dense (mlp_only_layers), the others route to 2 of 8 experts
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_hidden_layers": 3, "num_experts": 8,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                     "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     # multi-head latent attention; V2-Lite style (one query projection), group-limited greedy routing
     "deepseek_v2": ("DeepseekV2Config", {
         "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,

@@ -44,6 +44,15 @@ class ThreadComm:
     def all_gather(self, tensor, dim=-1):
         return torch.cat(self._exchange(tensor), dim=dim)
 
+    def all_to_all(self, tensor, send_splits, recv_splits):
+        parts = self._exchange((tensor, list(send_splits)))
+        received = []
+        for sent, splits in parts:
+            start = sum(splits[:self.rank])
+            received.append(sent[start:start + splits[self.rank]])
+        assert [r.shape[0] for r in received] == list(recv_splits)
+        return torch.cat(received)
+
 
 def comms(world_size=2):
     shared: dict = {}

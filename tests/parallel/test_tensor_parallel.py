@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kunlun_infer import LLM, SamplingParams
+from kunlun_infer.errors import ConfigError
 from kunlun_infer.engine.parallel.placement import free_loopback_port
 from tests.engine.tiny_models import hf_greedy
 from tests.parallel.conftest import overrides
@@ -104,6 +105,28 @@ def test_two_simchip_ranks_on_its_attention_backend_generate_the_tokens_of_trans
         stats = llm.engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert two == references(arch)
+
+
+@pytest.mark.parametrize("arch, expert_size", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2)])
+def test_two_ranks_of_a_mixture_of_experts_generate_the_tokens_of_one_rank(arch, expert_size, tiny_model,
+                                                                            single_rank, references):
+    """Experts split like a dense MLP (expert_size=1) or whole experts per rank, tokens sent to them through the
+    comm's all-to-all (expert_size=2): both give one rank's tokens, which are transformers'."""
+    with LLM(model=str(tiny_model(arch)), overrides=overrides(2) + [f"parallel.expert_size={expert_size}"]) as llm:
+        experts = llm.engine.runner.model.model.layers[0]
+        experts = getattr(experts, experts.feed_forward_name).experts
+        assert experts.expert_parallel is (expert_size == 2)
+        two = tokens(llm, prompts())
+        stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert two == single_rank(arch)[0]
+    assert two == references(arch)
+
+
+def test_expert_size_other_than_one_or_the_tensor_size_is_refused(tiny_model):
+    with pytest.raises(ConfigError, match=r"parallel.expert_size=3 must be 1 .* or parallel.tensor_size=2"):
+        LLM(model=str(tiny_model("mixtral")), overrides=overrides(2) + ["parallel.expert_size=3"])
+    assert worker_processes() == []
 
 
 def test_a_separate_comm_stream_pipelines_all_reduces_without_changing_tokens(tiny_model, single_rank):

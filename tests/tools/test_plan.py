@@ -176,3 +176,31 @@ def test_plan_sizes_the_latent_cache_of_multi_head_latent_attention(cli, tmp_pat
     assert two_ranks["bytes_per_token"] == kv["bytes_per_token"]  # every rank caches the whole latent
     text = cli("plan", f"model.path={folder}", "device_memory=80GiB", "model.max_model_len=4096").out
     assert "multi-head latent attention" in text and "512 latent + 64 rotary key" in text
+
+
+#: Qwen3-30B-A3B's config.json fields that size it: 48 layers of 128 experts (8 routed per token)
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                 "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("expert_size", [1, 2])
+def test_plan_sizes_expert_weights_per_rank(cli, tmp_path, expert_size):
+    folder = tmp_path / "qwen3-30b-a3b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    hidden, layers, vocab = 2048, 48, 151936
+    attention = hidden * (32 * 128) * 2 + hidden * (4 * 128) * 2
+    experts = 128 * 3 * hidden * 768
+    replicated = 2 * 128 + 2 * hidden + 128 * hidden  # q/k norms, layer norms, router
+    whole = cli("plan", f"model.path={folder}", "device_memory=80GiB", "--json").json()
+    assert whole["num_params"] == 2 * vocab * hidden + layers * (attention + experts + replicated) + hidden
+    assert whole["num_params"] == 30_532_122_624  # Qwen3-30B-A3B's published size
+    two = cli("plan", f"model.path={folder}", "device_memory=80GiB", "parallel.tensor_size=2",
+              f"parallel.expert_size={expert_size}", "--json")
+    assert two.code == 0, two.err
+    # expert_size=1: every expert's half; expert_size=2: half the experts, whole — the same bytes per rank
+    assert two.json()["params_per_rank"] == vocab * hidden + layers * (attention // 2 + experts // 2 + replicated) \
+        + hidden

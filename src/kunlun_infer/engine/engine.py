@@ -107,6 +107,11 @@ class LLMEngine:
         check_ranges(cfg)  # composition checked them; a config built by hand did not go through it
         self.on_step_error = str(setting(cfg, "scheduler.on_step_error"))
         tensor_size = int(cfg.parallel.tensor_size)
+        expert_size = int(setting(cfg, "parallel.expert_size"))
+        if expert_size not in (1, tensor_size):
+            raise ConfigError(f"parallel.expert_size={expert_size} must be 1 (experts split over the "
+                              f"tensor-parallel ranks) or parallel.tensor_size={tensor_size} (each rank holds "
+                              "whole experts)")
         self.model_path = model_dir(cfg.model.path)
         self.model_config = arch = load_model_config(self.model_path)
         self.dtype = choose_dtype(str(cfg.model.dtype), getattr(arch, "torch_dtype", None), rt.device)
@@ -125,13 +130,18 @@ class LLMEngine:
             if cfg.get("speculative") is not None and cfg.speculative.method is not None:
                 raise ConfigError("speculative.method with parallel.pipeline_size > 1 is not supported; "
                                   "turn one of them off")
+            if expert_size > 1:
+                raise ConfigError("parallel.expert_size > 1 with parallel.pipeline_size > 1 is not supported; "
+                                  "leave parallel.expert_size=1 (experts split over each stage's tensor-parallel "
+                                  "ranks)")
             self.parallel = PipelineGroup.start_pipeline(cfg, rt, self.grid)
             model = self.parallel.load_model(self.model_path, dtype=self.dtype, max_model_len=self.max_model_len,
                                              block_size=self.block_size, quantization=self.quantization)
         elif tensor_size > 1:
             self.parallel = TensorParallelGroup.start(cfg, rt)
             model = self.parallel.load_model(self.model_path, dtype=self.dtype, max_model_len=self.max_model_len,
-                                             block_size=self.block_size, quantization=self.quantization)
+                                             block_size=self.block_size, quantization=self.quantization,
+                                             expert_size=expert_size)
             free_before_weights = self.parallel.min_free_bytes  # the tightest rank sizes the cache of all
         else:
             model = load_model(self.model_path, runtime=rt, dtype=self.dtype, max_model_len=self.max_model_len,

@@ -80,6 +80,9 @@ def estimate_activation_bytes(arch: Any, dtype: torch.dtype, num_tokens: int, nu
     element = torch.empty((), dtype=dtype).element_size()
     heads = arch.num_attention_heads + 2 * arch.num_key_value_heads
     per_token = (6 * arch.hidden_size + 3 * arch.intermediate_size + 2 * heads * arch.head_dim) * element
+    moe = getattr(arch, "moe", None)
+    if moe is not None:  # each token's rows for its experts (gathered, gate/up, activation, output), router scores
+        per_token += moe.top_k * (2 * arch.hidden_size + 3 * moe.intermediate_size) * element + 8 * moe.num_experts
     attention_scores = 3 * arch.num_attention_heads * num_tokens * num_tokens * 4  # float32 scores, probs
     logits = 4 * num_seqs * arch.vocab_size * 4  # logits, probabilities, sort, logprobs
     return num_tokens * per_token + attention_scores + logits

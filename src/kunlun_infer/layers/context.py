@@ -44,10 +44,15 @@ class LayerContext:
     attention: AttentionBackend | None = None
     #: ``model.quantization``; ``None`` = full-precision weights
     quantization: Quantization | None = None
+    #: ``parallel.expert_size``: 1 splits every expert like a dense MLP; ``tp_size`` gives each rank whole experts
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} is outside 0..{self.tp_size - 1}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"expert parallelism over {self.ep_size} ranks needs it to be 1 or the tensor-parallel "
+                             f"size {self.tp_size}")
         if self.tp_size > 1 and self.comm is None:
             raise ValueError(f"tp_size={self.tp_size} needs a comm to reduce shard results")
 

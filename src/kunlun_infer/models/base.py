@@ -14,6 +14,7 @@ turns those into Hugging Face tensor names for the loader.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -122,15 +123,22 @@ class CausalLM(nn.Module):
         return tensors
 
     def is_ignored_tensor(self, name: str) -> bool:
-        """True for checkpoint tensors the model may skip (e.g. ``lm_head.weight`` when tied, or the tensors
-        of layers another pipeline stage runs)."""
+        """True for checkpoint tensors the model may skip (e.g. ``lm_head.weight`` when tied, the tensors
+        of layers another pipeline stage runs, or the experts other ranks hold)."""
         if self.config.tie_word_embeddings and name == "lm_head.weight":
             return True
-        return name.endswith(self.ignored_tensor_suffixes) or not self.owns_tensor(name)
+        return (name.endswith(self.ignored_tensor_suffixes) or not self.owns_tensor(name)
+                or name in self.held_elsewhere)
 
     def owns_tensor(self, name: str) -> bool:
         """False for a checkpoint tensor of a part another pipeline stage holds (override per architecture)."""
         return True
+
+    @functools.cached_property
+    def held_elsewhere(self) -> frozenset[str]:
+        """Checkpoint tensors other ranks load instead of this one (layers with ``params_held_elsewhere``)."""
+        return frozenset(f"{module_name}.{param}" for module_name, module in self.named_modules()
+                         if hasattr(module, "params_held_elsewhere") for param in module.params_held_elsewhere())
 
     def pack_weights(self) -> None:
         """Let the ops plugin prepare every linear weight once, after loading."""
@@ -142,9 +150,14 @@ class CausalLM(nn.Module):
         """Bytes held by weights on the device (parameters and packed weights, each counted once)."""
         seen, total = set(), 0
         tensors = list(self.parameters())
-        for m in self.modules():  # a packed weight may be a tensor or a tuple of them (an int8 weight and scales)
-            packed = getattr(m, "packed_weight", None)
-            tensors += list(packed) if isinstance(packed, (tuple, list)) else [packed]
+
+        def flatten(packed: Any) -> list[Any]:
+            if isinstance(packed, (tuple, list)):
+                return [t for part in packed for t in flatten(part)]
+            return [packed]
+
+        for m in self.modules():  # a packed weight may be a tensor or (nested) tuples of them: int8 and scales,
+            tensors += flatten(getattr(m, "packed_weight", None))  # each expert's packed weights
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue

@@ -22,13 +22,14 @@ from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM")
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "yarn", "llama3")
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "mixtral": "MixtralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM"}
 #: architectures with multi-head latent attention (a compressed latent cached instead of per-head K/V)
 _MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # defaults of the transformers config classes, for fields a config.json may leave out
@@ -39,6 +40,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                            "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "head_dim": None,
+                            "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                            "norm_topk_prob": False, "decoder_sparse_step": 1},
+    "MixtralForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "head_dim": None,
+                           "bos_token_id": 1, "eos_token_id": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
     "DeepseekV2ForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None, "bos_token_id": 1,
                               "eos_token_id": 2, "intermediate_size": 11008, "q_lora_rank": 1536,
                               "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
@@ -70,6 +76,36 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeArchConfig:
+    """The mixture-of-experts part of an architecture: its experts, how tokens are routed, which layers have them.
+
+    The routing fields are ``moe_route``'s options (:meth:`route_options`). ``sparse_layers[i]`` says whether
+    decoder layer ``i`` has experts (the others have a dense MLP of ``ModelArchConfig.intermediate_size``).
+    ``shared_intermediate_size``: the dense MLP every token also goes through (shared experts), 0 for none.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    sparse_layers: tuple[bool, ...]
+    renormalize: bool = False
+    scoring: str = "softmax"
+    num_expert_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    routed_scaling_factor: float = 1.0
+    #: the router carries a per-expert bias added to the scores for the choice only (DeepSeek-V3)
+    correction_bias: bool = False
+    shared_intermediate_size: int = 0
+
+    def route_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``ops.moe_route`` besides the logits and the correction bias."""
+        return dict(top_k=self.top_k, scoring=self.scoring, renormalize=self.renormalize,
+                    num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+                    group_score=self.group_score, routed_scaling_factor=self.routed_scaling_factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +143,8 @@ class ModelArchConfig:
     mla: MLAConfig | None = None
     #: the first this many decoder layers have a dense MLP, the others a mixture of experts (DeepSeek)
     first_k_dense_replace: int = 0
+    #: the experts of a mixture-of-experts model; ``None`` for a dense one
+    moe: MoeArchConfig | None = None
 
     @property
     def max_context_len(self) -> int:
@@ -232,7 +270,9 @@ def parse_model_config(raw: dict[str, Any], path: Path, generation: dict[str, An
 
     bias = bool(raw.get("attention_bias", False))
     window = raw.get("sliding_window", defaults.get("sliding_window"))
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch == "Qwen3MoeForCausalLM":
+        window = window if raw.get("use_sliding_window", False) else None
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         layer_types = raw.get("layer_types")
         sliding_layers = ("sliding_attention" in layer_types if layer_types else
                           field("num_hidden_layers") > raw.get("max_window_layers", 28))
@@ -247,6 +287,7 @@ def parse_model_config(raw: dict[str, Any], path: Path, generation: dict[str, An
     bos = generation.get("bos_token_id", raw.get("bos_token_id", defaults.get("bos_token_id")))
     return ModelArchConfig(
         architecture=arch,
+        moe=_moe(arch, raw, path, field),
         vocab_size=field("vocab_size"),
         hidden_size=hidden,
         intermediate_size=field("intermediate_size"),
@@ -260,9 +301,10 @@ def parse_model_config(raw: dict[str, Any], path: Path, generation: dict[str, An
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
-        attention_out_bias=bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", *_MLA_ARCHITECTURES) else False,
+        attention_out_bias=bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                             *_MLA_ARCHITECTURES) else False,
         mlp_bias=bool(raw.get("mlp_bias", False)) if arch in ("LlamaForCausalLM", "DeepseekV2ForCausalLM") else False,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         torch_dtype=_dtype(raw, path),
         eos_token_ids=tuple(eos),
         bos_token_id=None if bos is None else int(bos),
@@ -299,6 +341,32 @@ def _first_dense_layers(raw: dict[str, Any], path: Path, arch: str) -> int:
         raise ModelLoadError(f"{path}: field 'first_k_dense_replace' has bad value {value!r} (expected an integer "
                              ">= 0)")
     return value
+
+
+def _moe(arch: str, raw: dict[str, Any], path: Path, field: Any) -> MoeArchConfig | None:
+    """The experts of a Qwen3-MoE or Mixtral ``config.json``; ``None`` for a dense architecture."""
+    layers = field("num_hidden_layers")
+    if arch == "Qwen3MoeForCausalLM":
+        step = field("decoder_sparse_step")
+        dense = raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+            raise ModelLoadError(f"{path}: field 'mlp_only_layers' has bad value {dense!r} (expected a list of "
+                                 f"layer indices below num_hidden_layers={layers})")
+        # transformers 5 writes num_local_experts for what Qwen3-MoE's own configs call num_experts
+        experts = field("num_local_experts" if "num_local_experts" in raw else "num_experts")
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+        moe = MoeArchConfig(num_experts=experts, top_k=field("num_experts_per_tok"),
+                            intermediate_size=field("moe_intermediate_size"), sparse_layers=sparse,
+                            renormalize=bool(raw.get("norm_topk_prob", False)))
+    elif arch == "MixtralForCausalLM":
+        moe = MoeArchConfig(num_experts=field("num_local_experts"), top_k=field("num_experts_per_tok"),
+                            intermediate_size=field("intermediate_size"), sparse_layers=(True,) * layers,
+                            renormalize=True)
+    else:
+        return None
+    if moe.top_k > moe.num_experts:
+        raise ModelLoadError(f"{path}: num_experts_per_tok={moe.top_k} exceeds the {moe.num_experts} experts")
+    return moe
 
 
 def load_model_config(model_dir: str | Path) -> ModelArchConfig:

@@ -10,7 +10,7 @@ norm, tied embeddings) cover the Qwen2 and Qwen3 variants as well, so
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -72,10 +72,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, ctx: LayerContext):
+    #: attribute (and checkpoint) name of the feed-forward part: ``mlp``, Mixtral's ``block_sparse_moe``
+    feed_forward_name: ClassVar[str] = "mlp"
+
+    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, ctx: LayerContext, layer_idx: int = 0):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, ctx)
-        self.mlp = LlamaMLP(config, ctx)
+        setattr(self, self.feed_forward_name, self.make_feed_forward(config, ctx, layer_idx))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
@@ -87,7 +90,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, attn, kv_cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return getattr(self, self.feed_forward_name)(hidden), residual
+
+    def make_feed_forward(self, config: ModelArchConfig, ctx: LayerContext, layer_idx: int) -> nn.Module:
+        """The feed-forward part of layer ``layer_idx`` (a dense SwiGLU MLP here; experts in MoE models)."""
+        return LlamaMLP(config, ctx)
 
 
 class LlamaModel(nn.Module):
@@ -98,14 +105,15 @@ class LlamaModel(nn.Module):
     names as the whole model.
     """
 
-    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int, span: LayerSpan):
+    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int, span: LayerSpan,
+                 layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx) \
             if span.is_first else None
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
                                           config.max_position_embeddings, ctx)
         self.span = span
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb, ctx)
+        self.layers = nn.ModuleList(layer_class(config, self.rotary_emb, ctx, i)
                                     if span.start <= i < span.end else nn.Identity()  # another stage's
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if span.is_last else None
@@ -127,12 +135,14 @@ class LlamaForCausalLM(CausalLM):
 
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    #: the decoder layer the model stacks
+    decoder_layer: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
 
     def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int,
                  span: LayerSpan | None = None):
         super().__init__(config, ctx)
         self.span = span = span if span is not None else LayerSpan.whole(config.num_hidden_layers)
-        self.model = LlamaModel(config, ctx, max_positions, span)
+        self.model = LlamaModel(config, ctx, max_positions, span, self.decoder_layer)
         self.lm_head = None
         if span.is_last:
             # a last stage without the embedding reads the tied table itself, under the embedding's name

@@ -28,6 +28,7 @@ from kunlun_infer.models.base import CausalLM, LayerSpan
 from kunlun_infer.models.config import ModelArchConfig, load_model_config, read_json
 from kunlun_infer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kunlun_infer.models.llama import LlamaForCausalLM
+from kunlun_infer.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from kunlun_infer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from kunlun_infer.runtime.attention import GuardedAttentionBackend, resolve_attention
 from kunlun_infer.runtime.guard import DeferredFailures
@@ -39,6 +40,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
@@ -181,7 +184,8 @@ def _overlap_streams(runtime: ModelRuntime, tp_size: int) -> Streams | None:
 
 def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
                max_model_len: int | None = None, quantization: Quantization | None = None,
-               span: LayerSpan | None = None, tp_comm: Comm | None = None, defer_failures: bool = False) -> CausalLM:
+               span: LayerSpan | None = None, tp_comm: Comm | None = None, defer_failures: bool = False,
+               expert_size: int = 1) -> CausalLM:
     """Load the model in ``model_dir`` for rank ``tp_rank`` of ``tp_size`` on the runtime's device.
 
     ``span``: the layers of this rank's pipeline stage (default: all);
@@ -195,6 +199,8 @@ def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dty
     attention is served by the ops plugin's backend when it has one
     (``runtime.attention_backend``), else by the reference backend.
     ``quantization`` (``model.quantization``) quantizes the weights at load.
+    ``expert_size`` (``parallel.expert_size``, 1 or ``tp_size``): how a
+    mixture-of-experts model spreads its experts over the ranks.
     """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
@@ -202,6 +208,9 @@ def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dty
         raise ModelLoadError(f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}")
     max_model_len = max_model_len or config.max_context_len
     config.check_max_model_len(max_model_len)
+    if quantization is not None and config.moe is not None:
+        raise ModelLoadError(f"model.quantization={quantization.method} does not cover the expert weights of "
+                             f"{config.architecture} yet; load it with model.quantization=none")
     index = checkpoint_index(model_dir)
     cls = model_class(config)
     try:
@@ -213,7 +222,8 @@ def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dty
     ctx = LayerContext(ops=ops, device=runtime.device.torch_device, attention=attention,
                        dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
                        comm=(tp_comm or runtime.comm) if tp_size > 1 else None,
-                       streams=_overlap_streams(runtime, tp_size), quantization=quantization)
+                       streams=_overlap_streams(runtime, tp_size), quantization=quantization,
+                       ep_size=expert_size if config.moe is not None else 1)
     try:
         model = cls(config, ctx, max_model_len, span)
     except ValueError as e:

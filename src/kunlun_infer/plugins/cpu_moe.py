@@ -15,8 +15,7 @@ touched: at batch 1 with top-8 of 128 experts, 8 experts' weights are read.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,8 +23,7 @@ from kunlun_infer.ops import reference
 from kunlun_infer.ops.moe import grouped_fused_moe
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedExperts:
+class PackedExperts(NamedTuple):
     """Every expert's ``w13`` (``[2I, H]``) and ``w2`` (``[H, I]``) as the ``linear`` kernels take them."""
 
     w13: tuple[Any, ...]
@@ -35,10 +33,6 @@ class PackedExperts:
     @property
     def num_experts(self) -> int:
         return len(self.w13)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The packed tensors (for counting the bytes they hold)."""
-        return [t for t in (*self.w13, *self.w2) if isinstance(t, torch.Tensor)]
 
 
 def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, pack_linear_weight: Any) -> PackedExperts:

@@ -160,6 +160,14 @@ class ProcessGroupComm(Comm):
         self.group.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=dim)
 
+    def all_to_all(self, tensor: torch.Tensor, send_splits: Any, recv_splits: Any) -> torch.Tensor:
+        # variable split sizes along dim 0; like all_gather, the output is made outside inference mode
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        with torch.inference_mode(False):
+            out = work.new_empty((sum(recv_splits), *work.shape[1:]))
+        self.group.alltoall_base(out, work, list(recv_splits), list(send_splits), dist.AllToAllOptions()).wait()
+        return out
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         options = dist.BroadcastOptions()

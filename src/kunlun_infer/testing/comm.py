@@ -5,6 +5,8 @@ exact results on every rank.
 ``spawn``), each building the runtime from the same overrides and joining the
 group over TCP on a free loopback port; every rank checks its own results and
 reports back. Inputs are small integers, so sums are exact in every dtype.
+``all_to_all`` (hook API 1.4, expert parallelism) is checked with uneven and
+empty splits.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def run_collectives(comm: Comm, device: torch.device, rank: int, world: int) -> 
     t = torch.full((3,), 7.0 if rank == src else -1.0, device=device)
     _expect_equal(comm.broadcast(t, src=src), torch.full((3,), 7.0), f"broadcast(src={src})", rank)
     _expect_equal(t, torch.full((3,), 7.0), f"broadcast(src={src}) in place", rank)
+    _check_all_to_all(comm, device, rank, world)
     obj = comm.broadcast_object({"step": 3, "ids": [1, 2]} if rank == 0 else None, src=0)
     if obj != {"step": 3, "ids": [1, 2]}:
         raise ConformanceError(f"comm: broadcast_object on rank {rank} gave {obj!r}")
@@ -85,6 +88,20 @@ def run_point_to_point(comm: Comm, device: torch.device, rank: int, world: int) 
         t = torch.full((3,), float(rank + 1), device=device)
         _expect_equal(sub.all_reduce(t), torch.full((3,), float(sum(r + 1 for r in members))),
                       f"subgroup({members}).all_reduce", rank)
+
+
+def _check_all_to_all(comm: Comm, device: torch.device, rank: int, world: int) -> None:
+    """Rank ``r`` sends ``(r + j) % 3`` rows (some none) to rank ``j``, each row holding ``100 r + j``; in the
+    plugin's ``all_to_all`` (hook API 1.4) and in the default one built on ``all_gather``."""
+    def rows(src: int, dst: int) -> torch.Tensor:
+        return torch.full(((src + dst) % 3, 2), 100 * src + dst, dtype=torch.int64)
+
+    send = torch.cat([rows(rank, j) for j in range(world)]).to(device)
+    want = torch.cat([rows(i, rank) for i in range(world)])
+    send_splits, recv_splits = [(rank + j) % 3 for j in range(world)], [(i + rank) % 3 for i in range(world)]
+    _expect_equal(comm.all_to_all(send, send_splits, recv_splits), want, "all_to_all(int64, uneven splits)", rank)
+    _expect_equal(Comm.all_to_all(comm, send.float(), send_splits, recv_splits), want.float(),
+                  "all_to_all(float32) built on all_gather (the default for plugins before hook API 1.4)", rank)
 
 
 def _worker(rank: int, world: int, init_method: str, overrides: list[str], modules: list[str],

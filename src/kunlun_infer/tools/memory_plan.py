@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, open_dict
 
+from kunlun_infer.config import setting
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.kv_cache import KVBudget, KVLayout, size_kv_cache
 from kunlun_infer.engine.model_runner import ModelRunner
@@ -184,7 +185,8 @@ def make_plan(cfg: DictConfig, *, device_memory: int | None = None, runtime: Run
     grid = Grid.from_config(cfg, arch.num_hidden_layers)
     if grid.pipeline_size > 1:
         return _pipeline_plan(cfg, grid, device_memory=device_memory, runtime=runtime, plugin_manager=plugin_manager)
-    shapes = model_shapes(folder, tensor_size=tp, span=span)
+    shapes = model_shapes(folder, tensor_size=tp, span=span,
+                          expert_size=int(setting(cfg, "parallel.expert_size")))
     notes: list[str] = []
     if device_memory is None:
         dtype = choose_dtype(str(cfg.model.dtype), arch.torch_dtype, runtime.device)

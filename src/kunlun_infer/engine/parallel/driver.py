@@ -124,18 +124,19 @@ class TensorParallelGroup:
     # ------------------------------------------------------------------ loading
 
     def load_model(self, model_path: Any, *, dtype: torch.dtype, max_model_len: int, block_size: int,
-                   quantization: Any = None) -> Any:
+                   quantization: Any = None, expert_size: int = 1) -> Any:
         """Every rank loads its shard; returns rank 0's. Raises the first failure of any rank."""
         spec = {"model_path": str(model_path), "dtype": dtype_name(dtype),
                 "max_model_len": int(max_model_len), "block_size": int(block_size),
-                "quantization": None if quantization is None else quantization.as_dict()}
+                "quantization": None if quantization is None else quantization.as_dict(),
+                "expert_size": int(expert_size)}
         with self.collective("sending the load request"):
             self.plane.send_load(spec)
         model, failure = None, None
         free_before = self.runtime.device.mem_get_info()[0]
         try:
             model = load_model(model_path, runtime=self.runtime, dtype=dtype, tp_rank=0, tp_size=self.size,
-                               max_model_len=max_model_len, quantization=quantization)
+                               max_model_len=max_model_len, quantization=quantization, expert_size=expert_size)
         except Exception as exc:  # noqa: BLE001 - the workers must hear about it before it is raised
             failure = exc
         with self.collective("collecting the load results"):

@@ -80,7 +80,8 @@ class Worker:
             quantization = spec.get("quantization")
             model = load_model(spec["model_path"], runtime=self.runtime, dtype=dtype, tp_rank=self.rank,
                                tp_size=self.runtime.comm.world_size, max_model_len=spec["max_model_len"],
-                               quantization=None if quantization is None else Quantization(**quantization))
+                               quantization=None if quantization is None else Quantization(**quantization),
+                               expert_size=spec.get("expert_size", 1))
             self.runner = ModelRunner(model, device=self.runtime.device.torch_device,
                                       block_size=spec["block_size"], sampler=None, memory=self.runtime.memory)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
