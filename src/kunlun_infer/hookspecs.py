@@ -129,6 +129,11 @@ Changes
     ``fused_moe`` (the chosen experts' SiLU-gated MLPs over stacked expert
     weights, combined by the weights). Like every op, a provider without them
     is served by the references; a 1.3 plugin loads and runs unchanged.
+    Comm gains ``all_to_all(tensor, send_splits, recv_splits)`` (rows
+    exchanged with uneven splits; expert parallelism sends tokens to the
+    ranks owning their experts with it): ``Comm`` provides a default built
+    on ``all_gather``, so a comm plugin written before 1.4 serves
+    ``parallel.expert_size`` unchanged, moving more data than a native one.
 """
 
 from __future__ import annotations
