@@ -54,9 +54,10 @@ def test_json_matrix_carries_coverage_per_ops_option():
     assert row["distribution"] == "kunlun-infer-simchip" and row["options"]["device"] == ["simchip"]
 
 
-# without the vendor's kernel library, ops=kunlun runs its vendor-backed ops on the reference (and the int8 ops
-# of hook API 1.3 on the reference everywhere)
-KUNLUN_WITHOUT_KERNELS = sorted(["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", *INT8_OPS])
+# without the vendor's kernel library, ops=kunlun runs its vendor-backed ops (the mixture-of-experts ones too) on
+# the reference (and the int8 ops of hook API 1.3 on the reference everywhere)
+KUNLUN_WITHOUT_KERNELS = sorted(["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", *INT8_OPS,
+                                 *MOE_OPS])
 
 
 @pytest.mark.parametrize("name,module,comm,fallbacks", [("cuda", "kunlun_infer_cuda", "nccl", sorted(INT8_OPS)),

@@ -30,15 +30,19 @@ def standin(monkeypatch):
 
 
 def build_model(folder, arch: str):
-    """A random-weight ``arch`` (llama | qwen3) saved as safetensors with a byte tokenizer; returns the HF model."""
+    """A random-weight ``arch`` (llama | qwen3 | qwen3_moe) saved as safetensors with a byte tokenizer; returns the
+    HF model."""
     import transformers as tf
 
     from kunlun_infer.tools.tiny_model import EOS_ID, VOCAB_SIZE, write_byte_tokenizer
 
     config_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-                             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[arch]
+                             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+                             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[arch]
     # head size 32: the smallest the vendor's attention kernels serve (Qwen3's is explicit, Llama's is hidden / heads)
-    extra = {"head_dim": 32, "hidden_size": 64} if arch == "qwen3" else {"hidden_size": 128}
+    extra = {"head_dim": 32, "hidden_size": 64} if arch.startswith("qwen3") else {"hidden_size": 128}
+    if arch == "qwen3_moe":  # 2 of 8 experts per token, renormalised
+        extra.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
     config = config_cls(vocab_size=VOCAB_SIZE, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=EOS_ID,
                         bos_token_id=None, pad_token_id=None, tie_word_embeddings=False, **extra)
@@ -52,7 +56,7 @@ def build_model(folder, arch: str):
     return model
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen3"])
+@pytest.fixture(scope="session", params=["llama", "qwen3", "qwen3_moe"])
 def tiny_model(request, tmp_path_factory):
     """``folder``, ``prompts``, ``max_tokens`` and transformers' greedy ``references`` for one architecture."""
     folder = tmp_path_factory.mktemp(request.param)
@@ -65,4 +69,5 @@ def tiny_model(request, tmp_path_factory):
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                  max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
             refs.append(out[0, len(p):].tolist())
-    return types.SimpleNamespace(folder=folder, prompts=prompts, max_tokens=MAX_TOKENS, references=refs)
+    return types.SimpleNamespace(folder=folder, prompts=prompts, max_tokens=MAX_TOKENS, references=refs,
+                                 experts=request.param == "qwen3_moe")

@@ -376,3 +376,132 @@ def prefill_attention(*, q, k, v, out, is_causal, context_qlen_lod_cpu, context_
         if len(blocks) * block_size < length:
             raise Rejected(f"{fn}: block_table row {i} covers fewer than its {length} keys")
         out[a:b] = _attend(q[a:b], _gather(k, blocks, length), _gather(v, blocks, length), scale).to(out.dtype)
+
+
+# --------------------------------------------------------------------------- mixture of experts
+#
+# The routing kernels write int32 expert ids and float32 weights into caller-made outputs; the expert pipeline
+# is gen_block_statistic -> moe_pre_sorted (token rows gathered in expert order) -> moe_fc (each expert's rows
+# times its [out, in] weight, results kept in that order) -> swiglu -> moe_fc -> moe_post (each token's rows
+# found through moe_index, scaled and summed), as vLLM-Kunlun and sglang-kunlun call it.
+
+BLOCKS = 12  # rows of block_statistic: per-block expert counts over the tokens
+
+
+def _route_outputs(fn: str, x, weights, ids) -> int:
+    _tensor(fn, "x", x, dtype=torch.float32, ndim=2)
+    _tensor(fn, "normed_score", weights, dtype=torch.float32, ndim=2)
+    _tensor(fn, "topk_index", ids, dtype=torch.int32, ndim=2)
+    if weights.shape[0] != x.shape[0] or ids.shape != weights.shape or weights.shape[1] > x.shape[1]:
+        raise Rejected(f"{fn}: outputs must be [{x.shape[0]}, k <= {x.shape[1]}], got {tuple(weights.shape)} and "
+                       f"{tuple(ids.shape)}")
+    return weights.shape[1]
+
+
+def _softmax_topk(fn: str, x, normed_score, topk_index, block_statistic, normalize: bool) -> None:
+    calls[fn] += 1
+    k = _route_outputs(fn, x, normed_score, topk_index)
+    if block_statistic is not None:
+        raise Rejected(f"{fn}: block_statistic is for the sigmoid kernel; pass None")
+    top = torch.softmax(x, dim=-1).topk(k, dim=-1)
+    values = top.values / top.values.sum(dim=-1, keepdim=True) if normalize else top.values
+    normed_score.copy_(values)
+    topk_index.copy_(top.indices.to(torch.int32))
+
+
+def moe_softmax_topk(x, normed_score, topk_index, block_statistic=None):
+    _softmax_topk("moe_softmax_topk", x, normed_score, topk_index, block_statistic, normalize=False)
+
+
+def moe_softmax_topk_norm(x, normed_score, topk_index, block_statistic=None):
+    _softmax_topk("moe_softmax_topk_norm", x, normed_score, topk_index, block_statistic, normalize=True)
+
+
+def _block_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    rows = [part.reshape(-1).long() for part in ids.tensor_split(BLOCKS)]
+    return torch.stack([torch.bincount(r, minlength=num_experts)[:num_experts] for r in rows]).to(torch.int32)
+
+
+def gen_block_statistic(topk_ids, block_statistic):
+    calls["gen_block_statistic"] += 1
+    _tensor("gen_block_statistic", "topk_ids", topk_ids, dtype=torch.int32, ndim=2)
+    _tensor("gen_block_statistic", "block_statistic", block_statistic, dtype=torch.int32, ndim=2)
+    if block_statistic.shape[0] != BLOCKS:
+        raise Rejected(f"gen_block_statistic: block_statistic must be [{BLOCKS}, experts], got "
+                       f"{tuple(block_statistic.shape)}")
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= block_statistic.shape[1]):
+        raise Rejected("gen_block_statistic: expert ids outside the experts of block_statistic")
+    block_statistic.copy_(_block_counts(topk_ids, block_statistic.shape[1]))
+
+
+def moe_pre_sorted(*, x, topk_index, block_statistic, moe_expand, moe_index, expert_m, sorted_tokens_num_lod,
+                   index_have_neg=False):
+    fn = "moe_pre_sorted"
+    calls[fn] += 1
+    _tensor(fn, "x", x, dtype=FLOATS, ndim=2)
+    _tensor(fn, "topk_index", topk_index, dtype=torch.int32, ndim=2)
+    tokens, k = topk_index.shape
+    experts = expert_m.shape[0] if isinstance(expert_m, torch.Tensor) else 0
+    _tensor(fn, "expert_m", expert_m, dtype=torch.int32, ndim=1)
+    _tensor(fn, "sorted_tokens_num_lod", sorted_tokens_num_lod, dtype=torch.int32, ndim=1)
+    _same(fn, "moe_expand", moe_expand, x, shape=(tokens * k, x.shape[1]))
+    _tensor(fn, "moe_index", moe_index, dtype=torch.int32, ndim=1)
+    if x.shape[0] != tokens or moe_index.numel() != tokens * k or sorted_tokens_num_lod.numel() != experts + 1:
+        raise Rejected(f"{fn}: x {tuple(x.shape)}, topk_index {tuple(topk_index.shape)}, moe_index "
+                       f"{tuple(moe_index.shape)}, lod {tuple(sorted_tokens_num_lod.shape)} for {experts} experts "
+                       "do not fit together")
+    if index_have_neg or (topk_index.numel() and int(topk_index.min()) < 0):
+        raise Rejected(f"{fn}: negative expert ids are not what this call sorts")
+    _tensor(fn, "block_statistic", block_statistic, dtype=torch.int32, ndim=2)
+    if tuple(block_statistic.shape) != (BLOCKS, experts) or not torch.equal(block_statistic,
+                                                                             _block_counts(topk_index, experts)):
+        raise Rejected(f"{fn}: block_statistic does not hold gen_block_statistic's counts of these ids")
+    flat = topk_index.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    moe_expand.copy_(x[order // k])
+    moe_index.copy_(torch.argsort(order).to(torch.int32))  # (token, slot) -> its row in expert order
+    counts = torch.bincount(flat, minlength=experts).to(torch.int32)
+    expert_m.copy_(counts)
+    sorted_tokens_num_lod.copy_(torch.cat([counts.new_zeros(1), counts.cumsum(0).to(torch.int32)]))
+
+
+def moe_fc(*, x, weight, sorted_tokens_num_lod, sorted_tokens_idx, moe_topk, y, topk_ids, act=None,
+           x_perchannel_max=None, w_perchannel_max=None):
+    fn = "moe_fc"
+    calls[fn] += 1
+    _tensor(fn, "x", x, dtype=FLOATS, ndim=2)
+    _tensor(fn, "weight", weight, dtype=x.dtype, ndim=3)
+    _tensor(fn, "sorted_tokens_num_lod", sorted_tokens_num_lod, dtype=torch.int32, ndim=1)
+    _tensor(fn, "sorted_tokens_idx", sorted_tokens_idx, dtype=torch.int32, ndim=1)
+    _tensor(fn, "topk_ids", topk_ids, dtype=torch.int32, ndim=2)
+    k = _int(fn, "moe_topk", moe_topk)
+    experts, out_features, in_features = weight.shape
+    if act is not None or x_perchannel_max is not None or w_perchannel_max is not None:
+        raise Rejected(f"{fn}: only the unquantized call without a fused activation is modelled here")
+    if x.shape[1] != in_features:
+        raise Rejected(f"{fn}: rows of {x.shape[1]} features for a weight taking {in_features}")
+    if k != topk_ids.shape[1] or x.shape[0] != topk_ids.shape[0] * k or sorted_tokens_idx.numel() != x.shape[0]:
+        raise Rejected(f"{fn}: {x.shape[0]} rows do not match topk_ids {tuple(topk_ids.shape)} with moe_topk={k}")
+    _same(fn, "y", y, x, shape=(topk_ids.shape[0], k, out_features))
+    lod = sorted_tokens_num_lod.tolist()
+    if len(lod) != experts + 1 or lod[0] != 0 or lod[-1] != x.shape[0] or any(b < a for a, b in zip(lod, lod[1:])):
+        raise Rejected(f"{fn}: sorted_tokens_num_lod {lod} is not a lod of {x.shape[0]} rows over {experts} experts")
+    rows = y.view(-1, out_features)
+    for e in range(experts):
+        if lod[e + 1] > lod[e]:
+            rows[lod[e]:lod[e + 1]] = (x[lod[e]:lod[e + 1]].float() @ weight[e].float().T).to(y.dtype)
+
+
+def moe_post(*, x, moe_index, normed_scale, dequant_scale, y):
+    fn = "moe_post"
+    calls[fn] += 1
+    _tensor(fn, "x", x, dtype=FLOATS, ndim=3)
+    tokens, k, hidden = x.shape
+    _tensor(fn, "moe_index", moe_index, dtype=torch.int32, ndim=2)
+    _tensor(fn, "normed_scale", normed_scale, dtype=torch.float32, ndim=2)
+    _tensor(fn, "dequant_scale", dequant_scale, dtype=torch.float32, ndim=2)
+    if not tuple(moe_index.shape) == tuple(normed_scale.shape) == tuple(dequant_scale.shape) == (tokens, k):
+        raise Rejected(f"{fn}: moe_index, normed_scale and dequant_scale must be [{tokens}, {k}]")
+    _same(fn, "y", y, x, shape=(tokens, hidden))
+    rows = x.reshape(-1, hidden).float()[moe_index.reshape(-1).long()].view(tokens, k, hidden)
+    y.copy_((rows * (normed_scale * dequant_scale).unsqueeze(-1)).sum(dim=1).to(y.dtype))

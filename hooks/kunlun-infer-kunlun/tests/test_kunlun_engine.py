@@ -1,7 +1,7 @@
 """The engine on ``ops=kunlun`` (CPU device, stand-in ``kunlun_ops``) token for token with transformers.
 
 With the stand-in installed the run uses every vendor call: the norms,
-SwiGLU and rotary kernels, and the Kunlun attention backend (head-major
+SwiGLU and rotary kernels, the expert routing and pipeline (Qwen3-MoE), and the Kunlun attention backend (head-major
 cache, decodes first, ``reshape_and_cache_flash``, ``speculative_attention``
 and ``prefill_attention`` in both its modes) — under chunked prefill, prefix
 caching, preemption, ``n`` samples and two tensor-parallel ranks. Without the library the same run is just as correct,
@@ -18,6 +18,7 @@ import pytest
 import kunlun_ops_standin
 from kunlun_infer import LLM, SamplingParams
 
+from kunlun_infer.layers.moe import MOE_OPS
 from kunlun_infer_kunlun.ops import VENDOR_OPS
 
 ENGINE = ["device=cpu", "ops=kunlun", "model.max_model_len=256", "scheduler.max_num_seqs=8",
@@ -47,7 +48,10 @@ def test_vendor_kernels_run_the_model_token_for_token(standin, tiny_model, sched
     with caplog.at_level(logging.WARNING, logger="kunlun_infer"):
         tokens, stats = generate(tiny_model, *SCHEDULES[schedule])
     assert tokens == tiny_model.references
-    assert all(standin.calls[f] > 0 for functions in VENDOR_OPS.values() for f in functions)
+    dense = [f for op, functions in VENDOR_OPS.items() if op not in MOE_OPS for f in functions]
+    assert all(standin.calls[f] > 0 for f in dense)
+    if tiny_model.experts:  # routing renormalised, then the whole expert pipeline
+        assert all(standin.calls[f] > 0 for f in ("moe_softmax_topk_norm", *VENDOR_OPS["fused_moe"]))
     assert all(standin.calls[f] > 0 for f in ATTENTION_CALLS)
     assert "plain-torch reference" not in caplog.text and "torch path" not in caplog.text
     if schedule == "chunked prefill":  # later chunks read the earlier ones from the cache
@@ -80,7 +84,8 @@ def test_without_the_library_the_run_is_correct_and_says_once_what_fell_back(mon
         tokens, _ = generate(tiny_model)
     assert tokens == tiny_model.references
     assert caplog.text.count("using the plain-torch reference") == 1
-    assert "add_rms_norm, rms_norm, rotary_embedding, silu_and_mul" in caplog.text
+    fallen = "fused_moe, moe_route, pack_moe_weights, " if tiny_model.experts else ""
+    assert f"add_rms_norm, {fallen}rms_norm, rotary_embedding, silu_and_mul" in caplog.text
 
 
 def test_two_ranks_on_the_vendor_kernels_match_transformers(standin, tiny_model, tmp_path, monkeypatch):

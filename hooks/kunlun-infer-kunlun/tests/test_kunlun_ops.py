@@ -26,7 +26,8 @@ def library(exclude=(), **replace):
     """A ``kunlun_ops`` module made of the stand-in's functions, without ``exclude``, with ``replace``."""
     module = types.ModuleType("kunlun_ops")
     for name in ("rmsnorm", "add_rmsnorm", "swiglu", "rotary_embedding", "reshape_and_cache_flash",
-                 "paged_attention", "speculative_attention", "prefill_attention"):
+                 "paged_attention", "speculative_attention", "prefill_attention", "moe_softmax_topk",
+                 "moe_softmax_topk_norm", "gen_block_statistic", "moe_pre_sorted", "moe_fc", "moe_post"):
         if name not in exclude:
             setattr(module, name, replace.get(name, getattr(kunlun_ops_standin, name)))
     return module
@@ -37,8 +38,9 @@ def library(exclude=(), **replace):
 def test_each_op_calls_its_kernel_and_matches_the_reference(standin, op, dtype):
     ops = KunlunOps()
     assert ops.kernel_source(op) == ", ".join(f"kunlun_ops.{f}" for f in VENDOR_OPS[op])
-    check_op(ops, op, dtype, CPU)
-    assert all(standin.calls[f] == 1 for f in VENDOR_OPS[op])  # the kernel ran, not a torch path
+    for seed in range(OP_SPECS[op].variants):  # moe_route: with and without renormalisation, and the torch cases
+        check_op(ops, op, dtype, CPU, seed=seed)
+    assert all(standin.calls[f] >= 1 for f in VENDOR_OPS[op])  # the kernels ran, not a torch path
 
 
 def test_norms_accept_the_shapes_the_models_pass(standin):
@@ -102,6 +104,13 @@ def _set(keyword, value):
     return change
 
 
+def _change_arg(i, value):
+    def change(args, kwargs):
+        args[i] = value(args[i])
+        return args, kwargs
+    return change
+
+
 def _framework_layout(table):
     """The vendor table ``cat(cos, sin)`` back in the framework's ``[max_pos, 2, head_dim]`` form."""
     half = table.shape[1] // 2
@@ -121,6 +130,22 @@ MUTATIONS = {
     "rotary: half the head size": ("rotary_embedding", "rotary_embedding", _set("head_size", 16), torch.float32),
     "rotary: float32 table for bfloat16 queries": ("rotary_embedding", "rotary_embedding",
                                                    _set("cos_sin_cache", lambda t: t.float()), torch.bfloat16),
+    "moe_softmax_topk_norm: weights and ids swapped": ("moe_route", "moe_softmax_topk_norm", _swap(1, 2),
+                                                       torch.float32),
+    "moe_softmax_topk_norm: logits in the model's dtype": ("moe_route", "moe_softmax_topk_norm",
+                                                           _change_arg(0, lambda t: t.bfloat16()), torch.float32),
+    "gen_block_statistic: int64 ids": ("fused_moe", "gen_block_statistic", _change_arg(0, lambda t: t.long()),
+                                       torch.bfloat16),
+    "moe_pre_sorted: statistic of other ids": ("fused_moe", "moe_pre_sorted",
+                                               _set("block_statistic", lambda t: t.roll(1, dims=1)), torch.bfloat16),
+    "moe_fc: weights as [E, in, out]": ("fused_moe", "moe_fc",
+                                         _set("weight", lambda w: w.transpose(1, 2).contiguous()), torch.float32),
+    "moe_fc: moe_topk of one": ("fused_moe", "moe_fc", _set("moe_topk", 1), torch.float32),
+    "moe_post: rows taken in token order, not through moe_index": (
+        "fused_moe", "moe_post", _set("moe_index", lambda t: torch.arange(t.numel(), dtype=torch.int32).view(t.shape)),
+        torch.float32),
+    "moe_post: the weights left out": ("fused_moe", "moe_post", _set("normed_scale", torch.ones_like),
+                                       torch.float32),
 }
 
 
@@ -152,9 +177,10 @@ def test_a_missing_function_costs_only_its_own_op(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "kunlun_ops", library(exclude=("swiglu",)))
     with caplog.at_level(logging.WARNING, logger="kunlun_infer.plugin.kunlun"):
         coverage = ops_coverage(PluginManager.load())["kunlun"]
-    assert coverage["fallbacks"] == sorted(["silu_and_mul", *INT8_OPS])  # int8 ops (API 1.3): references
+    # int8 ops (API 1.3): references; the expert pipeline needs swiglu too
+    assert coverage["fallbacks"] == sorted(["silu_and_mul", "fused_moe", "pack_moe_weights", *INT8_OPS])
     assert {coverage["sources"][op] for op in ("rms_norm", "add_rms_norm", "rotary_embedding")} == {"kunlun"}
-    assert "has no swiglu; silu_and_mul run on the plain-torch reference" in caplog.text
+    assert "has no swiglu; silu_and_mul, pack_moe_weights, fused_moe run on the plain-torch reference" in caplog.text
 
 
 def test_a_library_that_fails_to_import_is_reported_not_raised():

@@ -146,9 +146,11 @@ def _sample_token_bitmask(dtype, device, g):
     return (logits, bitmask.to(device), torch.tensor([4, 0, 2], device=device)), {}
 
 
-#: the cases of ``moe_route``'s conformance samples: Mixtral / Qwen3-MoE, DeepSeek-V2, DeepSeek-V3
+#: the cases of ``moe_route``'s conformance samples: Mixtral / Qwen3-MoE (renormalised or not), DeepSeek-V2,
+#: DeepSeek-V3
 _ROUTE_CASES = (
     dict(top_k=2, scoring="softmax", renormalize=True),
+    dict(top_k=3, scoring="softmax"),
     dict(top_k=3, scoring="softmax", num_expert_group=4, topk_group=2, group_score="max", routed_scaling_factor=16.0),
     dict(top_k=4, scoring="sigmoid", renormalize=True, num_expert_group=4, topk_group=2, group_score="top2_sum",
          routed_scaling_factor=2.5),

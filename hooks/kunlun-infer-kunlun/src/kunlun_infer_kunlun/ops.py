@@ -29,6 +29,23 @@ plugin README for the files):
   ``[max_pos, 2, head_dim]`` with each half repeated; it is converted once
   per table and dtype. A table whose halves differ is not a NeoX table: such
   a call takes the torch path (logged once).
+- ``moe_route(logits, k, ...)`` → ``moe_softmax_topk_norm(x, normed_score,
+  topk_index, None)`` (softmax, top-k, renormalised) or ``moe_softmax_topk``
+  (not renormalised), float32 logits, int32 ids and float32 weights written
+  in place; the grouped, biased and sigmoid routings (DeepSeek's) take the
+  torch path, since no source shows a kernel call for them in ``kunlun_ops``.
+- ``fused_moe(x, (w13, w2), weights, ids)`` →
+  ``gen_block_statistic(ids, block_statistic)`` (``[12, E]`` int32),
+  ``moe_pre_sorted(x=, topk_index=, block_statistic=, moe_expand=, moe_index=,
+  expert_m=, sorted_tokens_num_lod=)`` (rows gathered in expert order),
+  ``moe_fc(x=, x_perchannel_max=None, weight=w13, w_perchannel_max=None,
+  sorted_tokens_num_lod=, sorted_tokens_idx=, moe_topk=, y=, topk_ids=,
+  act=None)``, ``swiglu(x=, y=)``, ``moe_fc`` with ``w2``, then
+  ``moe_post(x=, moe_index=, normed_scale=weights, dequant_scale=ones, y=)``
+  — the unquantized expert path of vLLM-Kunlun and sglang-kunlun; ``w13`` is
+  ``[E, 2I, H]`` with the gate rows first, as theirs. A negative id (an
+  expert held elsewhere) is sorted as expert 0 and weighed by 0, so the
+  kernels never see one.
 
 Kernels take contiguous inputs; the wrappers copy a strided view (e.g. the
 query cut out of a fused QKV projection) before the call, never after.
@@ -58,7 +75,13 @@ VENDOR_OPS: dict[str, tuple[str, ...]] = {
     "add_rms_norm": ("add_rmsnorm",),
     "silu_and_mul": ("swiglu",),
     "rotary_embedding": ("rotary_embedding",),
+    "moe_route": ("moe_softmax_topk", "moe_softmax_topk_norm"),
+    # the stacked weights stay as they are; offered with the kernels that use them
+    "pack_moe_weights": ("gen_block_statistic", "moe_pre_sorted", "moe_fc", "swiglu", "moe_post"),
+    "fused_moe": ("gen_block_statistic", "moe_pre_sorted", "moe_fc", "swiglu", "moe_post"),
 }
+#: rows of the routing statistics ``gen_block_statistic`` fills (as the vendor's integrations allocate them)
+_BLOCK_STATISTIC_ROWS = 12
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -138,11 +161,70 @@ class _Rotary:
         return q_rows.view(q.shape), k_rows.view(k.shape)
 
 
+def _moe_route(kernels: VendorKernels) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    plain, normalized = kernels.get("moe_softmax_topk"), kernels.get("moe_softmax_topk_norm")
+
+    def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False,
+                  num_expert_group: int = 1, topk_group: int = 1, group_score: str = "max",
+                  correction_bias: torch.Tensor | None = None,
+                  routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        if scoring != "softmax" or num_expert_group > 1 or correction_bias is not None:
+            return reference.moe_route(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group,
+                                       group_score, correction_bias, routed_scaling_factor)
+        logits = _rows(router_logits).to(torch.float32)
+        weights = logits.new_empty(logits.shape[0], top_k)
+        ids = torch.empty(logits.shape[0], top_k, dtype=torch.int32, device=logits.device)
+        (normalized if renormalize else plain)(logits, weights, ids, None)
+        return (weights * routed_scaling_factor if routed_scaling_factor != 1.0 else weights), ids
+
+    return moe_route
+
+
+def _fused_moe(kernels: VendorKernels) -> Callable[..., torch.Tensor]:
+    statistic, pre_sorted, fc = kernels.get("gen_block_statistic"), kernels.get("moe_pre_sorted"), kernels.get("moe_fc")
+    swiglu, post = kernels.get("swiglu"), kernels.get("moe_post")
+
+    def fused_moe(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = packed
+        elsewhere = topk_ids < 0  # experts held by other ranks: sorted as expert 0, weighed by 0
+        ids = topk_ids.masked_fill(elsewhere, 0).to(torch.int32).contiguous()
+        tokens, top_k = ids.shape
+        experts, hidden, device = w13.shape[0], x.shape[1], x.device
+        rows = _rows(x)
+        block_statistic = torch.empty(_BLOCK_STATISTIC_ROWS, experts, dtype=torch.int32, device=device)
+        statistic(ids, block_statistic)
+        expanded = rows.new_empty(tokens * top_k, hidden)
+        order = torch.zeros(tokens * top_k, dtype=torch.int32, device=device)
+        per_expert = torch.zeros(experts, dtype=torch.int32, device=device)
+        lod = torch.zeros(experts + 1, dtype=torch.int32, device=device)
+        pre_sorted(x=rows, topk_index=ids, block_statistic=block_statistic, moe_expand=expanded, moe_index=order,
+                   expert_m=per_expert, sorted_tokens_num_lod=lod)
+        gate_up = rows.new_empty(tokens, top_k, w13.shape[1])
+        fc(x=expanded, x_perchannel_max=None, weight=w13, w_perchannel_max=None, sorted_tokens_num_lod=lod,
+           sorted_tokens_idx=order, moe_topk=top_k, y=gate_up, topk_ids=ids, act=None)
+        activated = rows.new_empty(tokens, top_k, w13.shape[1] // 2)
+        swiglu(x=gate_up, y=activated)
+        down = rows.new_empty(tokens, top_k, w2.shape[1])
+        fc(x=activated.view(tokens * top_k, -1), x_perchannel_max=None, weight=w2, w_perchannel_max=None,
+           sorted_tokens_num_lod=lod, sorted_tokens_idx=order, moe_topk=top_k, y=down, topk_ids=ids, act=None)
+        out = rows.new_empty(tokens, w2.shape[1])
+        weights = topk_weights.to(torch.float32).masked_fill(elsewhere, 0.0).contiguous()
+        post(x=down, moe_index=order.view(tokens, top_k), normed_scale=weights,
+             dequant_scale=torch.ones_like(weights), y=out)
+        return out
+
+    return fused_moe
+
+
 _BUILDERS: dict[str, Callable[[VendorKernels], Callable[..., Any]]] = {
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,
     "silu_and_mul": _silu_and_mul,
     "rotary_embedding": _Rotary,
+    "moe_route": _moe_route,
+    "pack_moe_weights": lambda kernels: reference.pack_moe_weights,
+    "fused_moe": _fused_moe,
 }
 
 
