@@ -170,3 +170,14 @@ def test_expert_parallelism_runs_on_a_comm_plugin_written_before_all_to_all(hf_f
     for i, tokens in prompts().items():
         assert torch.equal(out0[i], out1[i])
         assert max_relative_error(out0[i], hf_logits(hf, tokens)) < 1e-4
+
+
+def test_expert_parallel_step_of_one_token_leaves_one_rank_without_tokens(hf_folder):
+    folder, hf = hf_folder("mixtral")
+
+    def rank(r, comm):
+        return PagedKV(load_rank(folder, r, comm, expert_size=2), block_size=4).step({0: [11]})
+
+    out0, out1 = run_ranks(rank)
+    assert torch.equal(out0[0], out1[0])
+    assert max_relative_error(out0[0], hf_logits(hf, [11])) < 1e-4
