@@ -13,6 +13,7 @@ conformance tolerance. Prints a table with the CPU model, ISA flags, kernel
 set and threads, and writes ``benchmarks/results/moe.json``::
 
     python benchmarks/moe.py
+    python benchmarks/moe.py --threads 1 --repeats 15    # steadier on a busy machine
     python benchmarks/moe.py --experts 64 --top-k 8 --batches 1 32 128 --dtypes bfloat16
 """
 
@@ -91,11 +92,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch (and native kernel) threads; default: torch's own. On a busy shared machine "
+                             "1 thread measures steadier: a descheduled OpenMP thread stalls every GEMM's barrier")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     facts = machine()
+    facts["load_average"] = list(os.getloadavg())
     print(f"{facts['cpu_model']}; ISA {' '.join(facts['isa_flags'])}; kernel set {facts['kernel_set']} "
-          f"({facts['kernel_set_why']}); {facts['threads']} threads; torch {facts['torch']}")
+          f"({facts['kernel_set_why']}); {facts['threads']} threads; torch {facts['torch']}; load average "
+          f"{facts['load_average'][0]:.1f}")
     print(f"layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, expert intermediate "
           f"{args.intermediate}")
     rows = [row for name in args.dtypes for row in run_case(DTYPES[name], args)]

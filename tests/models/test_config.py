@@ -26,6 +26,10 @@ def write_config(folder, generation=None, **fields):
     return folder
 
 
+MODEL_TYPES = {"Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
+               "DeepseekV3ForCausalLM": "deepseek_v3"}  # the others: the class name's prefix, lower case
+
+
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 def test_minimal_config_means_what_it_means_to_transformers(arch, tmp_path):
     model_type = MODEL_TYPES.get(arch, arch[:-len("ForCausalLM")].lower())

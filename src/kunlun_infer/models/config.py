@@ -44,7 +44,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                             "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                             "norm_topk_prob": False, "decoder_sparse_step": 1},
     "MixtralForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "head_dim": None,
-                           "bos_token_id": 1, "eos_token_id": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
+                           "bos_token_id": 1, "eos_token_id": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+                           "rms_norm_eps": 1e-5, "rope_theta": 1e6},
     "DeepseekV2ForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None, "bos_token_id": 1,
                               "eos_token_id": 2, "intermediate_size": 11008, "q_lora_rank": 1536,
                               "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
@@ -198,12 +199,13 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def _rope(raw: dict[str, Any], path: Path, max_position_embeddings: int) -> tuple[float, dict[str, Any] | None]:
+def _rope(raw: dict[str, Any], path: Path, max_position_embeddings: int,
+          default_theta: float = 10000.0) -> tuple[float, dict[str, Any] | None]:
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise ModelLoadError(f"{path}: rope_scaling/rope_parameters must be one flat object; per-layer "
                              "rotary settings are not supported")
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise ModelLoadError(f"{path}: partial_rotary_factor={partial} is not supported (only full rotary)")
@@ -266,7 +268,7 @@ def parse_model_config(raw: dict[str, Any], path: Path, generation: dict[str, An
     if act not in ("silu", "swish"):
         raise ModelLoadError(f"{path}: hidden_act={act!r} is not supported; supported: silu")
     max_pos = field("max_position_embeddings")
-    theta, scaling = _rope(raw, path, max_pos)
+    theta, scaling = _rope(raw, path, max_pos, defaults.get("rope_theta", 10000.0))
 
     bias = bool(raw.get("attention_bias", False))
     window = raw.get("sliding_window", defaults.get("sliding_window"))
