@@ -90,6 +90,24 @@ async def stream_all(url: str, prompts: list[str], max_tokens: int, **extra) -> 
         await client.close()
 
 
+async def complete_all(url: str, prompts: list[str], max_tokens: int, **extra) -> list[str | Exception]:
+    """Each prompt as one non-streaming completion, all at once: its text, or the error it ended with."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(text: str) -> str | Exception:
+        try:
+            answer = await client.completions.create(model="tiny", prompt=text, max_tokens=max_tokens,
+                                                     temperature=0, extra_body=extra or None)
+        except openai.APIError as exc:
+            return exc
+        return answer.choices[0].text
+
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await client.close()
+
+
 def test_the_replicas_run_where_their_resources_are(fleet, ray_cluster):
     _, simchip_node = ray_cluster
     replicas = {r["name"]: r for r in fleet.replicas()}
@@ -160,11 +178,13 @@ def test_a_full_fleet_answers_429_and_aborted_streams_free_the_replicas(fleet, s
 
 def test_killing_a_replica_mid_run_loses_no_request_and_it_comes_back(fleet, server, single):
     prompts = [prompt(100 + i) for i in range(48)]  # 24 each: 16 running and 8 queued per replica
-    expected = reference(single, prompts, 48, ignore_eos=True)
+    whole = [prompt(150 + i) for i in range(8)]  # and some not streamed: their clients see only the end
+    expected = reference(single, prompts + whole, 48, ignore_eos=True)
     victim = next(r for r in fleet.replicas() if r["name"] == "simchip")
 
     async def run() -> list[str | Exception]:
-        task = asyncio.ensure_future(stream_all(server.url, prompts, 48, ignore_eos=True))
+        task = asyncio.gather(stream_all(server.url, prompts, 48, ignore_eos=True),
+                              complete_all(server.url, whole, 48, ignore_eos=True))
         def generated() -> int:
             return next(r for r in fleet.replicas() if r["name"] == "simchip")["stats"].get("num_generated_tokens", 0)
 
@@ -173,12 +193,14 @@ def test_killing_a_replica_mid_run_loses_no_request_and_it_comes_back(fleet, ser
             assert time.monotonic() < deadline and not task.done()
             await asyncio.sleep(0.01)
         os.kill(victim["pid"], signal.SIGKILL)  # mid-run: some of its requests streamed, some still queue
-        return await task
+        streamed, not_streamed = await task
+        return streamed + not_streamed
 
     results = asyncio.run(run())
+    assert results[len(prompts):] == expected[len(prompts):]  # not streamed: all moved if need be, all complete
     completed = [i for i, r in enumerate(results) if isinstance(r, str)]
     errored = [i for i, r in enumerate(results) if isinstance(r, Exception)]
-    assert len(completed) + len(errored) == len(prompts)
+    assert len(completed) + len(errored) == len(prompts) + len(whole)
     assert all(results[i] == expected[i] for i in completed)  # moved requests start over: nothing repeated
     for i in errored:
         assert "replica 'simchip' failed while this request was streaming" in str(results[i])

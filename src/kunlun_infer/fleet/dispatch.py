@@ -73,8 +73,10 @@ class FleetSubmission:
     hashes: list[int]
     replica: Replica | None = None
     sent: bool = False
-    #: an output with tokens reached the handler: the request can no longer move to another replica
+    #: an output with tokens reached the handler
     streamed: bool = False
+    #: its client sees only the final outputs (not a stream), so it may start over while no sample finished
+    replayable: bool = False
     aborted: bool = False
     samples_left: int = 0
     #: tokens it still adds to its replica's load
@@ -86,6 +88,11 @@ class FleetSubmission:
     @property
     def samples(self) -> int:
         return self.request.params.n
+
+    @property
+    def movable(self) -> bool:
+        """Whether another replica may take it over: its client has seen none of its tokens."""
+        return not self.streamed or (self.replayable and self.samples_left == self.samples)
 
     def remaining_cost(self, cached_tokens: int = 0) -> float:
         params = self.request.params
@@ -238,10 +245,12 @@ class FleetLoop:
 
     # ------------------------------------------------------------------ the HTTP side (any thread)
 
-    def submit(self, request: PreparedRequest, queue: asyncio.Queue, tag: Any = None) -> FleetSubmission:
+    def submit(self, request: PreparedRequest, queue: asyncio.Queue, tag: Any = None, *,
+               replayable: bool = False) -> FleetSubmission:
         """Route a request prepared by the fleet's front; its outputs (or an exception) arrive in ``queue``.
 
-        Raises :class:`ServerBusyError` when every replica in rotation is
+        ``replayable``: the client sees only the final outputs, so the request
+        may start over on another replica until a sample finished. Raises :class:`ServerBusyError` when every replica in rotation is
         full, :class:`EngineUnavailableError` when none serves.
         """
         loop = asyncio.get_running_loop()
@@ -251,7 +260,7 @@ class FleetLoop:
                 raise EngineUnavailableError(self.failure or f"no replica of the fleet serves now ({states})")
             self._drain_pending()
             sub = FleetSubmission(request, tag, loop, queue, f"fleet-{next(self._ids)}",
-                                  prefix_hashes(request.prompt_token_ids))
+                                  prefix_hashes(request.prompt_token_ids), replayable=replayable)
             if not self._route(sub, "load"):
                 raise ServerBusyError(
                     f"the fleet is at capacity: every replica in rotation holds its scheduler.max_num_seqs + "
@@ -283,6 +292,7 @@ class FleetLoop:
         route = choose([r.load for r in self.replicas], sub.hashes, len(sub.request.prompt_token_ids), self.policy)
         if route is None:
             return False
+        sub.generated.clear()  # a request that moves starts over
         replica = next(r for r in self.replicas if r.load is route.replica)
         sub.replica, sub.sent = replica, False
         sub.cost = sub.remaining_cost(route.cached_tokens)
@@ -481,7 +491,7 @@ class FleetLoop:
             return
         kind, message, field = info
         self._done(sub)
-        if kind in ("busy", "unavailable") and not sub.streamed:  # full, or stopping: another replica takes it
+        if kind in ("busy", "unavailable") and sub.movable:  # full, or stopping: another replica takes it
             if not self._route(sub, "resend"):
                 self._pending.append(sub)
             return
@@ -510,7 +520,7 @@ class FleetLoop:
             for sub in subs:
                 if sub.aborted:
                     continue
-                if not sub.streamed:
+                if sub.movable:
                     moved += 1
                     self.resent.inc(replica=replica.name)
                     sub.replica = None
@@ -519,9 +529,11 @@ class FleetLoop:
                 else:
                     failed += 1
                     self.failed.inc(replica=replica.name)
+                    what = "while this request was streaming" if not sub.replayable else \
+                        "after some of this request's samples had finished"
                     self._deliver(sub, ReplicaFailedError(
-                        f"replica '{replica.name}' failed while this request was streaming ({reason}); a request "
-                        f"that has sent tokens is not repeated elsewhere: send it again"))
+                        f"replica '{replica.name}' failed {what} ({reason}); a request whose client has seen "
+                        f"tokens is not repeated elsewhere: send it again"))
         log.error("fleet replica %s left rotation: %s; %d request(s) moved to other replicas, %d ended with an "
                   "error", replica.name, reason, moved, failed)
         if kill:

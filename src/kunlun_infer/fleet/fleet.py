@@ -134,7 +134,7 @@ class Fleet:
         requests = [self.front.prepare_request(p, sp) for p, sp in zip(prompt_list, params_list)]
 
         async def run() -> list[RequestOutput]:
-            generations = [Generation(self.loop, [request]) for request in requests]
+            generations = [Generation(self.loop, [request], streamed=False) for request in requests]
             drains = []
             try:
                 for generation in generations:

@@ -209,7 +209,8 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
             params = req.sampling_params(max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs)
             prepared = await prepare(req.prompts(), params, req.structured_output()[1])
             builder = CompletionBuilder(state.model_name, state.token_text, req.logprobs or 0)
-            return await run(request, Generation(state.loop, prepared), builder, req.stream, req.include_usage)
+            return await run(request, Generation(state.loop, prepared, streamed=req.stream), builder, req.stream,
+                             req.include_usage)
 
         return await answer("/v1/completions", handle)
 
@@ -245,7 +246,8 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
             (prepared,) = await prepare([ids], params, structured[1])
             builder = ChatBuilder(state.model_name, state.token_text, req.top_logprobs or 0, tool_style=style,
                                   parallel_tool_calls=parallel)
-            return await run(request, Generation(state.loop, [prepared]), builder, req.stream, req.include_usage)
+            return await run(request, Generation(state.loop, [prepared], streamed=req.stream), builder, req.stream,
+                             req.include_usage)
 
         return await answer("/v1/chat/completions", handle)
 

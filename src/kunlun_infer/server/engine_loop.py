@@ -105,10 +105,13 @@ class EngineLoop:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def submit(self, request: PreparedRequest, queue: asyncio.Queue, tag: Any = None) -> Submission:
+    def submit(self, request: PreparedRequest, queue: asyncio.Queue, tag: Any = None, *,
+               replayable: bool = False) -> Submission:
         """Queue a request prepared by the engine; its outputs (or an exception) arrive in ``queue``.
 
-        Call from the event loop that awaits ``queue``. Raises
+        ``replayable``: its client sees nothing before it finishes, so a fleet
+        may start it over on another replica; one engine has nowhere else to
+        send it. Call from the event loop that awaits ``queue``. Raises
         :class:`ServerBusyError` when full, :class:`EngineUnavailableError`
         when the loop no longer serves.
         """

@@ -24,9 +24,11 @@ from kunlun_infer.server.protocol import ApiError
 class Generation:
     """The engine requests behind one HTTP request. Build, :meth:`start`, then iterate :meth:`outputs`."""
 
-    def __init__(self, engine_loop: Any, requests: list[PreparedRequest]) -> None:
-        """``requests``: one per prompt, prepared by the engine with the same params."""
+    def __init__(self, engine_loop: Any, requests: list[PreparedRequest], *, streamed: bool = True) -> None:
+        """``requests``: one per prompt, prepared by the engine with the same params; ``streamed``: the client sees
+        outputs as they come (else only the final ones, so the requests may start over elsewhere)."""
         self.engine_loop = engine_loop
+        self.streamed = streamed
         self.requests = requests
         self.n = requests[0].params.n
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -43,7 +45,8 @@ class Generation:
         """Submit every prompt; if one is refused (queue full), the ones already in are aborted."""
         try:
             for index, request in enumerate(self.requests):
-                self.submissions.append(self.engine_loop.submit(request, self.queue, tag=index))
+                self.submissions.append(self.engine_loop.submit(request, self.queue, tag=index,
+                                                                replayable=not self.streamed))
         except BaseException:
             self.abort_unfinished()
             raise
