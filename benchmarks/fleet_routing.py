@@ -4,9 +4,10 @@ where they are cached?
 Starts ``fleet=cpu_simchip`` (a CPU replica and a simulated-chip replica, which differ in speed) on a Ray cluster
 of its own with the embedded default model, then
 
-1. load: many requests at once, more than the fleet runs side by side; per replica the tokens it computed, its
-   speed as the router measured it (tokens/s while busy) and its share of the work against its share of the
-   speed;
+1. load: two bursts of many requests at once, more than the fleet runs side by side; per replica the tokens it
+   computed, its speed as the router measured it (tokens/s while busy) and its share of the work against its
+   share of the speed (the first burst is routed before any speed is known, the second with the speeds of the
+   first);
 2. prefix affinity: groups of requests sharing a long prefix, the first of each sent alone; per group how many
    landed on one replica, and the prompt tokens the replicas found in their prefix caches.
 
@@ -93,7 +94,9 @@ def main() -> None:
     with ki.Fleet("cpu_simchip", overrides=overrides) as fleet:
         fleet.generate(["warm up"] * 4, ki.SamplingParams(max_tokens=4, temperature=0))
         result = {"machine": cpu_facts(), "fleet": "cpu_simchip", "model": "embedded default (Llama, 6 layers)",
-                  "load": load_phase(fleet, args.requests), "prefix": prefix_phase(fleet, 6, 8)}
+                  # the first burst is routed before the router has measured any replica's speed, the second after
+                  "load_first_burst": load_phase(fleet, args.requests),
+                  "load_second_burst": load_phase(fleet, args.requests), "prefix": prefix_phase(fleet, 6, 8)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
