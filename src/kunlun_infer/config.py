@@ -243,6 +243,8 @@ class FleetConfig:
     max_restarts: int = ranged(3, ">= -1", _at_least(-1))
     #: seconds a replica may leave a poll unanswered before it is taken out of rotation and restarted
     health_timeout_s: float = ranged(30.0, "> 0", lambda v: v > 0)
+    #: seconds one engine step may run before its replica counts as hung (it leaves rotation and is restarted)
+    step_timeout_s: float = ranged(300.0, "> 0", lambda v: v > 0)
     #: seconds a replica may take to load its engine (at start and after a restart)
     start_timeout_s: float = ranged(600.0, "> 0", lambda v: v > 0)
     #: prefix affinity: a request follows the replica caching its prompt's longest prefix when that prefix is at

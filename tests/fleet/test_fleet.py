@@ -4,7 +4,8 @@ Through the official ``openai`` client: 64 concurrent streams equal a single
 engine's greedy outputs and both replicas take work; prompts sharing a long
 prefix land where it is cached (its hits show in the replica's ``/metrics``);
 a full fleet answers 429; killing a replica's actor mid-run loses no request
-and repeats none, and the restarted actor takes work again.
+and repeats none, and the restarted actor takes work again; a replica that
+stops answering, or whose engine hangs in a step, is replaced the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def prompt(i: int) -> str:
 def fleet(ray_cluster, chat_model):
     address, _ = ray_cluster
     with ki.Fleet(overrides=[*PAIR, f"fleet.address={address}", f"server.max_queue={MAX_QUEUE}", "server.model_name=tiny",
-                             "fleet.health_timeout_s=10", *fleet_engine_overrides()], model=str(chat_model)) as fleet:
+                             "fleet.health_timeout_s=10", "fleet.step_timeout_s=10", *fleet_engine_overrides()],
+                  model=str(chat_model)) as fleet:
         yield fleet
 
 
@@ -247,3 +249,33 @@ def test_a_replica_that_stops_answering_leaves_rotation_and_ray_restarts_it(flee
     samples = server.metrics()
     assert samples['kunlun_infer_fleet_replica_restarts_total{replica="simchip"}'] == victim["restarts"] + 1
     assert samples['kunlun_infer_fleet_replica_up{replica="simchip"}'] == 1
+
+
+def test_a_replica_whose_engine_hangs_in_a_step_is_replaced(fleet, server, single):
+    import ray
+
+    def simchip() -> dict:
+        return next(r for r in fleet.replicas() if r["name"] == "simchip")
+
+    def stick_in_the_next_step(replica) -> None:
+        """Runs inside the replica's actor: its engine's next step never returns (a device that hangs)."""
+        def stuck():
+            while True:
+                time.sleep(1)
+
+        replica.engine.step = stuck
+
+    victim = simchip()
+    handle = next(r.handle for r in fleet.loop.replicas if r.name == "simchip")
+    ray.get(handle.__ray_call__.remote(stick_in_the_next_step))  # its actor still answers every poll
+    prompts = [prompt(400 + i) for i in range(8)]
+    started = time.monotonic()
+    texts = asyncio.run(stream_all(server.url, prompts, 8))
+    # the ones it took were stuck in their first step: nothing streamed, so they moved after fleet.step_timeout_s
+    assert texts == reference(single, prompts, 8)
+    assert time.monotonic() - started >= 10
+    deadline = time.monotonic() + 180
+    while (state := simchip())["state"] != "up" or state["restarts"] != victim["restarts"] + 1:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+    assert state["pid"] != victim["pid"]

@@ -10,8 +10,9 @@ fleet as it serves an engine. ``submit`` routes the request at once
 A thread runs an asyncio loop that talks to the actors: per replica a
 sender (batches of new requests and aborts) and a pump (a long poll that
 brings back every output since the last one, and the engine's stats). A
-replica whose poll fails (its actor died) or stays unanswered for
-``fleet.health_timeout_s`` (it hangs; then its actor is killed so that Ray
+replica whose poll fails (its actor died), stays unanswered for
+``fleet.health_timeout_s`` or reports a step running longer than
+``fleet.step_timeout_s`` (it hangs; then its actor is killed so that Ray
 restarts it) leaves the rotation. Its requests that have not streamed a
 token yet go to another replica (or wait for one); the others end with
 :class:`ReplicaFailedError` — so every request is answered once, completed
@@ -126,10 +127,11 @@ class FleetLoop:
     """Routes requests to replicas and brings their outputs back; thread-safe ``submit``/``abort``."""
 
     def __init__(self, replicas: Sequence[ReplicaSpec], policy: Policy, *, health_timeout_s: float,
-                 start_timeout_s: float, max_queue: int) -> None:
+                 step_timeout_s: float, start_timeout_s: float, max_queue: int) -> None:
         self.replicas = [Replica(spec) for spec in replicas]
         self.policy = policy
         self.health_timeout_s = health_timeout_s
+        self.step_timeout_s = step_timeout_s
         self.start_timeout_s = start_timeout_s
         #: requests accepted but waiting for a replica (theirs failed and none had room)
         self.max_queue = max_queue
@@ -466,6 +468,10 @@ class FleetLoop:
                 self._drain_pending()
             if not result["alive"]:
                 self._failed(replica, epoch, f"its engine stopped: {result['failure']}", kill=True)
+                return
+            if result["step_s"] > self.step_timeout_s:  # the actor answers, but its engine is stuck in a step
+                self._failed(replica, epoch, f"its engine has been in one step for {result['step_s']:.0f} s "
+                                             f"(fleet.step_timeout_s={self.step_timeout_s:g})", kill=True)
                 return
 
     def _output(self, replica: Replica, request_id: str, output: RequestOutput) -> None:

@@ -104,6 +104,7 @@ class Fleet:
                 specs.append(ReplicaSpec(name, handle, max_restarts))
             self.loop = FleetLoop(specs, Policy.from_config(config.fleet),
                                   health_timeout_s=float(config.fleet.health_timeout_s),
+                                  step_timeout_s=float(config.fleet.step_timeout_s),
                                   start_timeout_s=float(config.fleet.start_timeout_s),
                                   max_queue=int(config.server.max_queue))
             self.loop.start()

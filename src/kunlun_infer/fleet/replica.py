@@ -139,7 +139,7 @@ class ReplicaServer:
                 del self._submissions[request_id]
             outputs.append((request_id, item))
         return {"outputs": outputs, "stats": self.loop.stats, "alive": self.loop.alive, "failure": self.loop.failure,
-                "last_step_error": self.loop.last_step_error}
+                "last_step_error": self.loop.last_step_error, "step_s": self.loop.step_seconds}
 
     async def check_structured(self, spec: Any) -> ErrorInfo | None:
         """Whether this replica's grammar backend can serve ``spec`` (compiled once, then cached)."""

@@ -86,6 +86,8 @@ class EngineLoop:
         self.failure: str | None = None
         #: the error of the latest failed step (its requests were aborted)
         self.last_step_error: str | None = None
+        #: when the step now running began (``time.monotonic``); ``None`` between steps
+        self.step_started: float | None = None
 
     # ------------------------------------------------------------------ the HTTP side (any thread)
 
@@ -185,8 +187,14 @@ class EngineLoop:
             if sub.request_id is not None:
                 self.engine.abort(sub.request_id)  # its "abort" outputs come with the next step
 
+    @property
+    def step_seconds(self) -> float:
+        """How long the step now running has taken so far (0 between steps)."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def _step(self) -> None:
-        started = time.monotonic()
+        self.step_started = started = time.monotonic()
         try:
             outputs = self.engine.step()
         except WorkerError:
@@ -198,6 +206,8 @@ class EngineLoop:
                 self._dispatch(getattr(exc, "outputs", ()))
                 raise
             return
+        finally:
+            self.step_started = None
         self.stats = self.engine.stats()
         if self.metrics is not None:
             # sequences that produced a token in this step: the batch as a client sees it
