@@ -300,23 +300,15 @@ class LLMEngine:
         self._check_open()
         started = time.monotonic()
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        if self.grid is not None:
-            return self._pipelined_step(started, outputs)
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        batch = self.scheduler.schedule()
-        if self.speculator is not None:
-            self.speculator.fit(batch, [*self.scheduler.running, *self.scheduler.waiting])
-        if batch.seqs:
-            try:
-                self._run(batch, started, outputs)
-            except BaseException as exc:
-                # what this step was to return is not lost: it comes with the next step, or with the error
-                if isinstance(exc, EngineStepError) and exc.shut_down:
-                    exc.outputs[:0] = outputs
-                else:
-                    self._aborted_outputs[:0] = outputs
-                raise
+        try:
+            batch = self._pipelined_step(started, outputs) if self.grid is not None else self._step(started, outputs)
+        except BaseException as exc:
+            # what this step was to return is not lost: it comes with the next step, or with the error
+            if isinstance(exc, EngineStepError) and exc.shut_down:
+                exc.outputs[:0] = outputs
+            else:
+                self._aborted_outputs[:0] = outputs
+            raise
         self._num_steps += 1
         if self._observe_steps:
             self.runtime.plugins.engine_step({
@@ -326,7 +318,18 @@ class LLMEngine:
                 "duration_s": time.monotonic() - started})
         return outputs
 
-    def _pipelined_step(self, started: float, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _step(self, started: float, outputs: list[RequestOutput]) -> ScheduledBatch:
+        """Schedule a batch and run it to the end (no pipeline); the batch it ran."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.fit(batch, [*self.scheduler.running, *self.scheduler.waiting])
+        if batch.seqs:
+            self._run(batch, started, outputs)
+        return batch
+
+    def _pipelined_step(self, started: float, outputs: list[RequestOutput]) -> ScheduledBatch:
         """Send a new batch down the pipeline if one can be formed; take back the oldest when enough are out.
 
         A sequence in a batch still in flight is not scheduled again (nor
@@ -334,29 +337,21 @@ class LLMEngine:
         """
         busy = {seq.seq_id for batch, _ in self._in_flight for seq in batch.seqs}
         batch = self.scheduler.schedule(busy=busy, max_seqs=self._batch_seqs)
-        try:
-            if batch.seqs:
-                self._submit(batch, started)
-            if self._in_flight and (len(self._in_flight) >= self.pipeline_batches or not batch.seqs):
-                done, pending = self._in_flight.popleft()
-                try:
-                    result = self.runner.collect(pending)
-                except WorkerError as exc:
-                    error = self._pipeline_broke(done, exc)
-                    if error is exc:
-                        raise
-                    raise error from exc
-                except Exception as exc:
-                    raise self._step_failed(done, exc) from exc
-                self._apply(done, result, None, outputs)
-        except BaseException as exc:
-            if isinstance(exc, EngineStepError) and exc.shut_down:
-                exc.outputs[:0] = outputs
-            else:
-                self._aborted_outputs[:0] = outputs
-            raise
-        self._num_steps += 1
-        return outputs
+        if batch.seqs:
+            self._submit(batch, started)
+        if self._in_flight and (len(self._in_flight) >= self.pipeline_batches or not batch.seqs):
+            done, pending = self._in_flight.popleft()
+            try:
+                result = self.runner.collect(pending)
+            except WorkerError as exc:
+                error = self._pipeline_broke(done, exc)
+                if error is exc:
+                    raise
+                raise error from exc
+            except Exception as exc:
+                raise self._step_failed(done, exc) from exc
+            self._apply(done, result, None, outputs)
+        return batch
 
     def _submit(self, batch: ScheduledBatch, started: float) -> None:
         try:
