@@ -15,6 +15,9 @@ set and threads, and writes ``benchmarks/results/moe.json``::
     python benchmarks/moe.py
     python benchmarks/moe.py --threads 1 --repeats 15    # steadier on a busy machine
     python benchmarks/moe.py --experts 64 --top-k 8 --batches 1 32 128 --dtypes bfloat16
+    # as on an AVX2-only CPU (torch, oneDNN and the native kernels capped alike; results/moe_avx2.json)
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 KUNLUN_INFER_CPU_ISA=avx2 \
+        python benchmarks/moe.py --threads 1 --repeats 10 --out benchmarks/results/moe_avx2.json
 """
 
 from __future__ import annotations
