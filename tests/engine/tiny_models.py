@@ -29,10 +29,16 @@ PRESETS = {
                   "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]},
     "mixtral": {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     # multi-head latent attention: V2-Lite style queries and interleaved rotary pairs; V3 low-rank queries
+    # experts after a dense first layer: V2 softmax over 4 groups of 2 (best 2 groups), V3 sigmoid with a bias
     "deepseek_v2": {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-                    "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 2},
+                    "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+                    "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                    "routed_scaling_factor": 1.5},
     "deepseek_v3": {"num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-                    "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 2},
+                    "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "n_group": 4,
+                    "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5},
 }
 #: transformers class names per preset (config, model)
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -75,6 +81,9 @@ def build_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Pat
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.normal_(0, 0.2)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's expert choice bias (a buffer)
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.2)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     build_byte_tokenizer(folder)

@@ -54,13 +54,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "n_shared_experts": 2, "moe_intermediate_size": 24,
         "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5,
-        "first_k_dense_replace": 2}),
+        "first_k_dense_replace": 1}),
     # low-rank queries, sigmoid routing with a correction bias, grouped top-k over the best two of each group
     "deepseek_v3": ("DeepseekV3Config", {
         "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
         "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 24, "n_group": 4,
-        "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 2}),
+        "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1}),
 }
 
 
@@ -107,7 +107,7 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def randomize_(model: torch.nn.Module, seed: int, std: float = 0.08) -> None:
-    """Draw every parameter (biases and norm weights too) from a seeded generator."""
+    """Draw every parameter (biases and norm weights too), and DeepSeek-V3's routing bias, from a seeded generator."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -117,6 +117,9 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = 0.08) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():  # DeepSeek-V3's expert choice bias is a buffer, saved with the weights
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def save_tiny_tokenizer(path: str | Path, *, add_bos_token: bool = False) -> None:

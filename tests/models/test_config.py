@@ -33,7 +33,8 @@ MODEL_TYPES = {"Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV2ForCausalLM": "dee
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
 def test_minimal_config_means_what_it_means_to_transformers(arch, tmp_path):
     model_type = MODEL_TYPES.get(arch, arch[:-len("ForCausalLM")].lower())
-    write_config(tmp_path, architectures=[arch], model_type=model_type, **MINIMAL)
+    extra = {"num_experts_per_tok": 2} if arch == "DeepseekV2ForCausalLM" else {}  # transformers' default: None
+    write_config(tmp_path, architectures=[arch], model_type=model_type, **MINIMAL, **extra)
     ours = load_model_config(tmp_path)
     hf = transformers.AutoConfig.from_pretrained(tmp_path)
     assert ours.architecture == arch
@@ -42,7 +43,9 @@ def test_minimal_config_means_what_it_means_to_transformers(arch, tmp_path):
         assert ours.head_dim == hf.qk_nope_head_dim + hf.qk_rope_head_dim
         assert (ours.mla.q_lora_rank, ours.mla.kv_lora_rank, ours.mla.v_head_dim) == (hf.q_lora_rank,
                                                                                         hf.kv_lora_rank, hf.v_head_dim)
-        assert ours.first_k_dense_replace == hf.first_k_dense_replace
+        first_dense = hf.first_k_dense_replace
+        assert ours.moe.sparse_layers == tuple(i >= first_dense for i in range(hf.num_hidden_layers))
+        assert (ours.moe.num_experts, ours.moe.top_k) == (hf.n_routed_experts, hf.num_experts_per_tok)
     else:
         assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert ours.max_position_embeddings == hf.max_position_embeddings
@@ -156,6 +159,11 @@ def test_sliding_window_caps_the_context(tmp_path):
     ({"architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"architectures": ["LlamaForCausalLM"], "dtype": "float8_e4m3fn"}, "dtype 'float8_e4m3fn' is not supported"),
     ({"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "gptq"}}, "quantized"),
+    ({"architectures": ["DeepseekV2ForCausalLM"]}, "required field 'num_experts_per_tok' is missing"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "scoring_func": "softmax"}, "scoring_func='softmax' is not what"),
+    ({"architectures": ["DeepseekV2ForCausalLM"], "num_experts_per_tok": 2, "topk_method": "noaux_tc"},
+     "topk_method='noaux_tc' is not supported for DeepseekV2ForCausalLM; supported: greedy, group_limited_greedy"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "n_group": 6}, "must form n_group equal groups"),
 ])
 def test_bad_configs_are_refused_with_the_reason(fields, message, tmp_path):
     raw = {**MINIMAL, **fields}

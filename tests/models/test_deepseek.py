@@ -102,4 +102,8 @@ def test_config_reads_the_mla_sizes(hf_folder):
     assert raw["head_dim"] == hf.config.qk_rope_head_dim  # what transformers writes; a head is nope + rope
     assert config.head_dim == hf.config.qk_nope_head_dim + hf.config.qk_rope_head_dim
     assert (config.mla.q_lora_rank, config.mla.kv_lora_rank, config.mla.v_head_dim) == (24, 32, 12)
-    assert config.mla.rope_interleave and config.first_k_dense_replace == hf.config.first_k_dense_replace
+    assert config.mla.rope_interleave and config.moe.sparse_layers == (False, True)  # first_k_dense_replace=1
+    moe = config.moe  # sigmoid, choice by score + bias among the 2 of 4 groups whose best two sum highest
+    assert (moe.scoring, moe.correction_bias, moe.num_expert_group, moe.topk_group, moe.group_score) == (
+        "sigmoid", True, 4, 2, "top2_sum")
+    assert (moe.renormalize, moe.routed_scaling_factor, moe.shared_intermediate_size) == (True, 2.5, 24)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kunlun_infer import LLM, SamplingParams
+from kunlun_infer.layers.moe import FusedExperts
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.engine.parallel.placement import free_loopback_port
 from tests.engine.tiny_models import hf_greedy
@@ -107,14 +108,14 @@ def test_two_simchip_ranks_on_its_attention_backend_generate_the_tokens_of_trans
     assert two == references(arch)
 
 
-@pytest.mark.parametrize("arch, expert_size", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2)])
+@pytest.mark.parametrize("arch, expert_size", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2),
+                                               ("deepseek_v2", 2), ("deepseek_v3", 2)])
 def test_two_ranks_of_a_mixture_of_experts_generate_the_tokens_of_one_rank(arch, expert_size, tiny_model,
                                                                             single_rank, references):
     """Experts split like a dense MLP (expert_size=1) or whole experts per rank, tokens sent to them through the
     comm's all-to-all (expert_size=2): both give one rank's tokens, which are transformers'."""
     with LLM(model=str(tiny_model(arch)), overrides=overrides(2) + [f"parallel.expert_size={expert_size}"]) as llm:
-        experts = llm.engine.runner.model.model.layers[0]
-        experts = getattr(experts, experts.feed_forward_name).experts
+        experts = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts))
         assert experts.expert_parallel is (expert_size == 2)
         two = tokens(llm, prompts())
         stats = llm.engine.stats()

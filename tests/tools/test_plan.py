@@ -150,12 +150,14 @@ def test_plan_for_a_card_you_do_not_have_asks_its_ops_plugin_for_the_layout(cli,
     assert kv["bytes_per_block"] == 32 * 2 * 16 * 32 * (128 + 8) * 2  # layers × K,V × tokens × heads × dim × fp16
 
 
-#: DeepSeek-V2-Lite's attention sizes (multi-head latent attention, one query projection)
+#: DeepSeek-V2-Lite's config.json fields that size it (published: 15.7 B parameters)
 DEEPSEEK_V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
                     "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27,
                     "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
                     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                    "max_position_embeddings": 163840, "first_k_dense_replace": 27, "torch_dtype": "bfloat16",
+                    "max_position_embeddings": 163840, "first_k_dense_replace": 1, "n_routed_experts": 64,
+                    "n_shared_experts": 2, "moe_intermediate_size": 1408, "num_experts_per_tok": 6,
+                    "topk_method": "greedy", "torch_dtype": "bfloat16",
                     "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}}
 
@@ -166,7 +168,9 @@ def test_plan_sizes_the_latent_cache_of_multi_head_latent_attention(cli, tmp_pat
     (folder / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
     result = cli("plan", f"model.path={folder}", "device_memory=80GiB", "model.max_model_len=4096", "--json")
     assert result.code == 0, result.err
-    kv = result.json()["kv"]
+    plan = result.json()
+    assert plan["num_params"] == 15_706_484_224
+    kv = plan["kv"]
     layers, latent, rope, bf16 = 27, 512, 64, 2
     assert kv["kind"] == "mla" and kv["attention_backend"] == "torch-mla"
     assert kv["bytes_per_token"] == layers * (latent + rope) * bf16  # not 2 × 16 heads × 192 × 2 B per layer

@@ -49,11 +49,13 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "DeepseekV2ForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None, "bos_token_id": 1,
                               "eos_token_id": 2, "intermediate_size": 11008, "q_lora_rank": 1536,
                               "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                              "v_head_dim": 128, "rope_interleave": True},
+                              "v_head_dim": 128, "rope_interleave": True, "n_routed_experts": 64,
+                              "moe_intermediate_size": 1407, "num_experts_per_tok": None},
     "DeepseekV3ForCausalLM": {"max_position_embeddings": 4096, "num_key_value_heads": 128, "bos_token_id": 0,
                               "eos_token_id": 1, "intermediate_size": 18432, "q_lora_rank": 1536,
                               "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                              "v_head_dim": 128, "rope_interleave": True},
+                              "v_head_dim": 128, "rope_interleave": True, "n_routed_experts": 256,
+                              "moe_intermediate_size": 2048, "num_experts_per_tok": 8},
 }
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
@@ -142,8 +144,6 @@ class ModelArchConfig:
     sliding_window: int | None
     #: multi-head latent attention (DeepSeek); ``None`` for per-head K/V attention
     mla: MLAConfig | None = None
-    #: the first this many decoder layers have a dense MLP, the others a mixture of experts (DeepSeek)
-    first_k_dense_replace: int = 0
     #: the experts of a mixture-of-experts model; ``None`` for a dense one
     moe: MoeArchConfig | None = None
 
@@ -313,7 +313,6 @@ def parse_model_config(raw: dict[str, Any], path: Path, generation: dict[str, An
         pad_token_id=raw.get("pad_token_id"),
         sliding_window=int(window) if window else None,
         mla=mla,
-        first_k_dense_replace=_first_dense_layers(raw, path, arch),
     )
 
 
@@ -332,9 +331,7 @@ def _mla(raw: dict[str, Any], path: Path, field: Any, arch: str) -> MLAConfig:
 
 
 def _first_dense_layers(raw: dict[str, Any], path: Path, arch: str) -> int:
-    """DeepSeek's ``first_k_dense_replace`` (0 elsewhere: every layer dense, or every layer a mixture)."""
-    if arch not in _MLA_ARCHITECTURES:
-        return 0
+    """DeepSeek's ``first_k_dense_replace``: its first layers with a dense MLP instead of experts."""
     default = 3 if arch == "DeepseekV3ForCausalLM" else 0
     value = raw.get("first_k_dense_replace", default)
     if value is None:
@@ -346,7 +343,7 @@ def _first_dense_layers(raw: dict[str, Any], path: Path, arch: str) -> int:
 
 
 def _moe(arch: str, raw: dict[str, Any], path: Path, field: Any) -> MoeArchConfig | None:
-    """The experts of a Qwen3-MoE or Mixtral ``config.json``; ``None`` for a dense architecture."""
+    """The experts of a Qwen3-MoE, Mixtral or DeepSeek ``config.json``; ``None`` for a dense architecture."""
     layers = field("num_hidden_layers")
     if arch == "Qwen3MoeForCausalLM":
         step = field("decoder_sparse_step")
@@ -364,11 +361,57 @@ def _moe(arch: str, raw: dict[str, Any], path: Path, field: Any) -> MoeArchConfi
         moe = MoeArchConfig(num_experts=field("num_local_experts"), top_k=field("num_experts_per_tok"),
                             intermediate_size=field("intermediate_size"), sparse_layers=(True,) * layers,
                             renormalize=True)
+    elif arch in _MLA_ARCHITECTURES:
+        moe = _deepseek_moe(arch, raw, path, field, layers)
     else:
         return None
     if moe.top_k > moe.num_experts:
         raise ModelLoadError(f"{path}: num_experts_per_tok={moe.top_k} exceeds the {moe.num_experts} experts")
     return moe
+
+
+def _deepseek_moe(arch: str, raw: dict[str, Any], path: Path, field: Any, layers: int) -> MoeArchConfig:
+    """DeepSeek's experts: shared experts, and routed ones after the first ``first_k_dense_replace`` layers.
+
+    V2 scores with a softmax and, with ``topk_method=group_limited_greedy``, chooses only among the
+    ``topk_group`` groups whose best expert scores highest; V3 scores with a sigmoid, chooses by the scores
+    plus ``e_score_correction_bias`` among the groups whose two best experts sum highest, and weighs the
+    chosen by their unbiased scores, renormalised (``norm_topk_prob``). Both multiply the weights by
+    ``routed_scaling_factor`` — except V2 with ``norm_topk_prob``, which DeepSeek's own V2 code renormalises
+    instead of scaling (transformers' V2 ignores ``norm_topk_prob``; every released V2 config has it false).
+    """
+    v3 = arch == "DeepseekV3ForCausalLM"
+    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise ModelLoadError(f"{path}: scoring_func={scoring!r} is not what {arch} routes with "
+                             f"({'sigmoid' if v3 else 'softmax'})")
+    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    if method not in methods:
+        raise ModelLoadError(f"{path}: topk_method={method!r} is not supported for {arch}; supported: "
+                             f"{', '.join(methods)}")
+    grouped = method != "greedy"
+    groups = int(raw.get("n_group", 8 if v3 else None) or 1) if grouped else 1
+    topk_group = int(raw.get("topk_group", 4 if v3 else None) or 1) if grouped else 1
+    experts = field("n_routed_experts")
+    if experts % groups or topk_group > groups:
+        raise ModelLoadError(f"{path}: n_routed_experts={experts}, n_group={groups}, topk_group={topk_group}: the "
+                             "experts must form n_group equal groups, of which topk_group are chosen")
+    renormalize = bool(raw.get("norm_topk_prob", v3))
+    scaling = float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0))
+    if renormalize and not v3:
+        scaling = 1.0
+    shared = raw.get("n_shared_experts", 1 if v3 else 2) or 0
+    first_dense = _first_dense_layers(raw, path, arch)
+    top_k = field("num_experts_per_tok")
+    if top_k is None:
+        raise ModelLoadError(f"{path}: required field 'num_experts_per_tok' is missing")
+    return MoeArchConfig(num_experts=experts, top_k=top_k,
+                         intermediate_size=field("moe_intermediate_size"),
+                         sparse_layers=tuple(i >= first_dense for i in range(layers)), renormalize=renormalize,
+                         scoring=scoring, num_expert_group=groups, topk_group=topk_group,
+                         group_score="top2_sum" if v3 else "max", routed_scaling_factor=scaling,
+                         correction_bias=v3, shared_intermediate_size=field("moe_intermediate_size") * int(shared))
 
 
 def load_model_config(model_dir: str | Path) -> ModelArchConfig:

@@ -12,7 +12,9 @@ pairs; they are regrouped into the rotate-half layout before the op table's
 query·key product as the checkpoint means it. With yarn scaling the softmax
 scale is multiplied by ``mscale(factor, mscale_all_dim)²`` as DeepSeek's
 configs ask. The first ``first_k_dense_replace`` layers have a dense SwiGLU
-MLP. Tensor parallelism splits the heads (``q_proj``/``q_b_proj``/
+MLP, the others shared experts every token goes through plus routed experts
+(:class:`~kunlun_infer.layers.moe.SparseMoeBlock`, routing options from the
+config: see :func:`kunlun_infer.models.config._deepseek_moe`). Tensor parallelism splits the heads (``q_proj``/``q_b_proj``/
 ``kv_b_proj`` by rows, ``o_proj`` by columns); the latent projections are
 replicated, so every rank caches the same latent. Parameter names follow
 ``transformers``.
@@ -26,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kunlun_infer.errors import ModelLoadError
 from kunlun_infer.layers import (
     ColumnParallelLinear,
     LayerContext,
@@ -39,6 +40,7 @@ from kunlun_infer.layers import (
 )
 from kunlun_infer.layers.context import divide
 from kunlun_infer.layers.mla import MLAAttention, MLAUpProjection
+from kunlun_infer.layers.moe import MOE_OPS, SparseMoeBlock
 from kunlun_infer.layers import WeightSpec
 from kunlun_infer.models.base import CausalLM, LayerSpan
 from kunlun_infer.models.config import MLAConfig, ModelArchConfig
@@ -108,11 +110,11 @@ class DeepseekDecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, layer: int, rotary_emb: RotaryEmbedding, ctx: LayerContext):
         super().__init__()
         self.self_attn = DeepseekAttention(config, rotary_emb, ctx)
-        if layer < config.first_k_dense_replace:
-            self.mlp = LlamaMLP(config, ctx)
+        if config.moe is not None and config.moe.sparse_layers[layer]:
+            # the router scores in float32, as DeepSeek's gate does whatever the model's dtype
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, ctx, router_dtype=torch.float32)
         else:
-            raise ModelLoadError(f"{config.architecture}: layer {layer} has routed experts, which this engine "
-                                 f"cannot run yet")
+            self.mlp = LlamaMLP(config, ctx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
@@ -160,6 +162,7 @@ class DeepseekModel(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     """``DeepseekV2ForCausalLM`` checkpoints (V2, V2-Lite)."""
 
+    required_ops = CausalLM.required_ops + MOE_OPS
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int,
