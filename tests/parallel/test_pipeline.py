@@ -295,13 +295,16 @@ def test_a_stage_that_dies_or_hangs_mid_generation_raises_worker_error(how, tiny
 # ---------------------------------------------------------------------- torchrun
 
 
-def test_torchrun_one_host_and_two_hosts_on_loopback_generate_the_embedded_tokens(tiny_model):
+def test_torchrun_one_host_two_hosts_on_loopback_and_four_ranks_generate_the_embedded_tokens(tiny_model):
     folder = tiny_model("llama")
     with LLM(model=str(folder), overrides=overrides(1)) as llm:
         embedded = [o.token_ids for o in llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)]
     stages = ["parallel.pipeline_size=2"]
     (one_host,) = run_all([generate_command(folder, ["--standalone", "--nproc-per-node", "2"]) + stages])
     assert json_tokens(one_host) == embedded
+    # four ranks: two stages of two tensor-parallel ranks (parallel.tensor_size follows from the world)
+    (grid,) = run_all([generate_command(folder, ["--standalone", "--nproc-per-node", "4"]) + stages])
+    assert json_tokens(grid) == embedded
     endpoint = f"127.0.0.1:{free_loopback_port()}"
     hosts = [generate_command(folder, ["--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "1",
                                        "--rdzv-endpoint", endpoint]) + stages for k in (0, 1)]
