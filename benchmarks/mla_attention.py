@@ -10,11 +10,16 @@ per layer-step for each, their ratio, and the cache bytes per token and
 layer against per-head K/V. Example::
 
     python benchmarks/mla_attention.py --batch 32 --context 1024 --dtype bfloat16
+
+``benchmarks/results/mla_attention.json`` holds a run of the development
+machine (one JSON object per line, with the CPU, ISA, threads and load).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import time
 
@@ -53,6 +58,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", help="also append the figures, as one JSON object per line, to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -94,6 +100,16 @@ def main() -> None:
     print(f"  speed-up: {t_ref / t_mine:.1f}x")
     print(f"cache per token and layer: {latent_bytes} B (latent + rotary key) vs {per_head_bytes} B for per-head K/V "
           f"of the same heads ({per_head_bytes / latent_bytes:.1f}x)")
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"cpu": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(),
+                                "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg")
+                                else None, "dtype": args.dtype, "batch": batch, "context": ctx,
+                                "heads": args.heads, "reference_ms": 1e3 * t_ref, "torch_mla_ms": 1e3 * t_mine,
+                                "speedup": t_ref / t_mine, "max_relative_difference": err,
+                                "cache_bytes_per_token_layer": latent_bytes,
+                                "per_head_kv_bytes_per_token_layer": per_head_bytes}) + "\n")
 
 
 if __name__ == "__main__":
