@@ -36,6 +36,9 @@ class MLAUpProjection(ColumnParallelLinear):
         self.num_heads = num_heads // ctx.tp_size
         self.head_size = qk_nope_head_dim + v_head_dim
 
+    #: ``model.quantization`` leaves it as loaded (the memory plan counts it so)
+    quantized_with_model = False
+
     def pack_weights(self) -> None:
         """Kept as loaded (see the class)."""
 

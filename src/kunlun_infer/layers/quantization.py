@@ -72,7 +72,7 @@ def estimate_weight_bytes(model: Any, dtype_bytes: int, quantization: Quantizati
                 continue
             seen.add(id(param))
             quantized = quantization is not None and name == "weight" and (
-                isinstance(module, LinearBase)
+                (isinstance(module, LinearBase) and getattr(module, "quantized_with_model", True))
                 or (isinstance(module, ParallelLMHead) and quantization.head and not module.tied)
                 or (type(module) is VocabParallelEmbedding and quantization.embedding))
             total += int8_bytes(*param.shape) if quantized else param.numel() * dtype_bytes
