@@ -16,15 +16,12 @@ is attended in float32, like the reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
-from kunlun_infer.ops.attention import MLA, AttentionSpec, CacheTensorSpec, MLAAttentionBackend
-from kunlun_infer.ops.attention_step import AttentionStep
-from kunlun_infer.ops.reference_attention import AttentionMetadata, reference_metadata
-from kunlun_infer.ops.reference_mla import context_rows, decompress, latent_cache_tensor, store_latent_rows
+from kunlun_infer.ops.attention import MLA, AttentionSpec
+from kunlun_infer.ops.reference_attention import AttentionMetadata
+from kunlun_infer.ops.reference_mla import ReferenceMLABackend, context_rows, decompress
 
 
 def absorbed_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -66,23 +63,10 @@ def decompressed_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torc
     return out.transpose(0, 1)
 
 
-class TorchMLABackend(MLAAttentionBackend):
+class TorchMLABackend(ReferenceMLABackend):
     """Latent cache of the reference layout; absorbed decode for the batch, decompressed SDPA per prompt."""
 
     name = "torch-mla"
-
-    def __init__(self, spec: AttentionSpec) -> None:
-        self.spec = spec
-
-    def kv_cache_tensors(self, num_blocks: int, block_size: int) -> Sequence[CacheTensorSpec]:
-        return (latent_cache_tensor(self.spec, num_blocks, block_size),)
-
-    def build_metadata(self, step: AttentionStep) -> AttentionMetadata:
-        return reference_metadata(step)
-
-    def store_latent(self, latent: torch.Tensor, k_rope: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
-                     metadata: AttentionMetadata) -> None:
-        store_latent_rows(latent, k_rope, kv_cache[0], metadata.slot_mapping)
 
     def attend_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                       kv_cache: tuple[torch.Tensor, ...], metadata: AttentionMetadata, *, kv_up: torch.Tensor,
