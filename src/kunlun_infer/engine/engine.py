@@ -32,7 +32,7 @@ import collections
 import itertools
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -341,21 +341,19 @@ class LLMEngine:
             self._submit(batch, started)
         if self._in_flight and (len(self._in_flight) >= self.pipeline_batches or not batch.seqs):
             done, pending = self._in_flight.popleft()
-            try:
-                result = self.runner.collect(pending)
-            except WorkerError as exc:
-                error = self._pipeline_broke(done, exc)
-                if error is exc:
-                    raise
-                raise error from exc
-            except Exception as exc:
-                raise self._step_failed(done, exc) from exc
+            result = self._in_pipeline(done, lambda: self.runner.collect(pending))
             self._apply(done, result, None, outputs)
         return batch
 
     def _submit(self, batch: ScheduledBatch, started: float) -> None:
+        pending = self._in_pipeline(batch, lambda: self.runner.submit(batch, self._co_samples(batch, started)))
+        self._in_flight.append((batch, pending))
+
+    def _in_pipeline(self, batch: ScheduledBatch, call: Callable[[], Any]) -> Any:
+        """``call()`` (sending ``batch`` into the pipeline or collecting it), its failure ending ``batch``: a lost
+        rank ends every batch in flight with it."""
         try:
-            self._in_flight.append((batch, self.runner.submit(batch, self._co_samples(batch, started))))
+            return call()
         except WorkerError as exc:
             error = self._pipeline_broke(batch, exc)
             if error is exc:
