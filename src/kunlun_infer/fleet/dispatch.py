@@ -38,7 +38,7 @@ from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.errors import KunlunInferError, RequestError
 from kunlun_infer.fleet.router import (PREFIX_BLOCK_TOKENS, Policy, PrefixIndex, ReplicaLoad, choose, loads,
                                        prefix_hashes)
-from kunlun_infer.server.engine_loop import EngineUnavailableError, ReplicaFailedError, ServerBusyError
+from kunlun_infer.server.engine_loop import EngineUnavailableError, ReplicaFailedError, ServerBusyError, deliver
 from kunlun_infer.server.metrics import Counter, ServerMetrics, merge_labelled
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -189,7 +189,7 @@ class FleetLoop:
             self._pending.clear()
         for sub in subs:
             if not sub.aborted:
-                self._deliver(sub, EngineUnavailableError("the server is shutting down"))
+                deliver(sub, EngineUnavailableError("the server is shutting down"))
         if self._thread.is_alive():
             async def stop() -> None:
                 for task in list(self._tasks):
@@ -325,13 +325,6 @@ class FleetLoop:
         if replica.wake is not None:
             self._aloop.call_soon_threadsafe(replica.wake.set)
 
-    @staticmethod
-    def _deliver(sub: FleetSubmission, item: RequestOutput | BaseException) -> None:
-        try:
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (sub.tag, item))
-        except RuntimeError:  # the handler's event loop is closed: nobody is listening
-            pass
-
     # ------------------------------------------------------------------ the dispatcher thread
 
     def _call(self, coro: Any) -> Future:
@@ -405,7 +398,7 @@ class FleetLoop:
             else:
                 pending = []
         for sub in pending:
-            self._deliver(sub, EngineUnavailableError(self.failure or reason))
+            deliver(sub, EngineUnavailableError(self.failure or reason))
 
     async def _sender(self, replica: Replica, epoch: int) -> None:
         import ray
@@ -488,7 +481,7 @@ class FleetLoop:
             sub.samples_left -= 1
             if sub.samples_left <= 0:
                 self._done(sub)
-        self._deliver(sub, output)
+        deliver(sub, output)
 
     def _refused(self, replica: Replica, epoch: int, request_id: str, info: tuple[str, str, str | None]) -> None:
         """A replica refused a request or could not run it: the request's fault ends it, a full replica moves it."""
@@ -502,9 +495,9 @@ class FleetLoop:
                 self._pending.append(sub)
             return
         if kind == "request":
-            self._deliver(sub, RequestError(message, field=field))
+            deliver(sub, RequestError(message, field=field))
         else:
-            self._deliver(sub, KunlunInferError(f"replica '{replica.name}': {message}"))
+            deliver(sub, KunlunInferError(f"replica '{replica.name}': {message}"))
 
     def _failed(self, replica: Replica, epoch: int, reason: str, *, kill: bool) -> None:
         """Take a replica out of rotation; move its requests that have not streamed, end the others."""
@@ -537,7 +530,7 @@ class FleetLoop:
                     self.failed.inc(replica=replica.name)
                     what = "while this request was streaming" if not sub.replayable else \
                         "after some of this request's samples had finished"
-                    self._deliver(sub, ReplicaFailedError(
+                    deliver(sub, ReplicaFailedError(
                         f"replica '{replica.name}' failed {what} ({reason}); a request whose client has seen "
                         f"tokens is not repeated elsewhere: send it again"))
         log.error("fleet replica %s left rotation: %s; %d request(s) moved to other replicas, %d ended with an "

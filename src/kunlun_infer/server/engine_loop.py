@@ -63,6 +63,15 @@ class Submission:
     samples_left: int = 0
 
 
+def deliver(sub: Any, item: RequestOutput | BaseException) -> None:
+    """Hand ``item`` to the handler waiting on ``sub`` (anything with its ``loop``, ``queue`` and ``tag``, as
+    :class:`Submission`), from any thread."""
+    try:
+        sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (sub.tag, item))
+    except RuntimeError:  # the handler's event loop is closed: nobody is listening
+        pass
+
+
 class EngineLoop:
     """Owns the thread that steps ``engine``; thread-safe ``submit``/``abort`` for the HTTP side."""
 
@@ -179,7 +188,7 @@ class EngineLoop:
                 sub.request_id = self.engine.add_request(sub.request)
             except Exception as exc:  # noqa: BLE001 - a bad request is refused alone
                 self._done(sub)
-                self._deliver(sub, exc)
+                deliver(sub, exc)
             else:
                 sub.samples_left = sub.request.params.n
                 self._by_request_id[sub.request_id] = sub
@@ -227,7 +236,7 @@ class EngineLoop:
                 sub.samples_left -= 1
                 if sub.samples_left == 0:
                     self._done(sub)
-            self._deliver(sub, output)
+            deliver(sub, output)
 
     def _done(self, sub: Submission) -> None:
         if sub.request_id is not None:
@@ -235,16 +244,10 @@ class EngineLoop:
         with self._lock:
             self._in_flight.discard(sub)
 
-    @staticmethod
-    def _deliver(sub: Submission, item: RequestOutput | BaseException) -> None:
-        try:
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (sub.tag, item))
-        except RuntimeError:  # the handler's event loop is closed: nobody is listening
-            pass
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             subs, self._in_flight = list(self._in_flight), set()
             self._inbox.clear()
         for sub in subs:
-            self._deliver(sub, exc)
+            deliver(sub, exc)
