@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from kunlun_infer.layers import LayerContext, WeightSpec
+from kunlun_infer.layers import LayerContext, RMSNorm, VocabParallelEmbedding, WeightSpec
 from kunlun_infer.layers.linear import heads_per_rank
 from kunlun_infer.models.config import ModelArchConfig
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
@@ -49,6 +50,38 @@ class LayerSpan:
     @property
     def num_layers(self) -> int:
         return self.end - self.start
+
+
+class StagedDecoder(nn.Module):
+    """The decoder layers of ``span`` (the embedding only on the first stage, the final norm only on the last).
+
+    Layers keep their checkpoint index (``layers.10``; another stage's layers
+    are empty placeholders), so a later pipeline stage reads the same tensor
+    names as the whole model. ``make_layer(i)`` builds layer ``i``.
+    """
+
+    def __init__(self, config: ModelArchConfig, ctx: LayerContext, span: LayerSpan, rotary_emb: nn.Module,
+                 make_layer: Callable[[int], nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx) \
+            if span.is_first else None
+        self.rotary_emb = rotary_emb
+        self.span = span
+        self.layers = nn.ModuleList(make_layer(i) if span.start <= i < span.end else nn.Identity()  # another stage's
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if span.is_last else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
+                kv_caches: list[tuple[torch.Tensor, ...]],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """Final hidden states on the last stage; ``(hidden, residual)`` for the next stage on the others."""
+        hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        for layer, kv_cache in zip(self.layers[self.span.start:self.span.end], kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, attn, kv_cache)
+        if self.norm is None:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class CausalLM(nn.Module):

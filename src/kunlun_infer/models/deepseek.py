@@ -36,13 +36,12 @@ from kunlun_infer.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    VocabParallelEmbedding,
 )
 from kunlun_infer.layers.context import divide
 from kunlun_infer.layers.mla import MLAAttention, MLAUpProjection
 from kunlun_infer.layers.moe import MOE_OPS, SparseMoeBlock
 from kunlun_infer.layers import WeightSpec
-from kunlun_infer.models.base import CausalLM, LayerSpan
+from kunlun_infer.models.base import CausalLM, LayerSpan, StagedDecoder
 from kunlun_infer.models.config import MLAConfig, ModelArchConfig
 from kunlun_infer.models.llama import LlamaMLP
 from kunlun_infer.ops.attention import AttentionSpec, mla_spec
@@ -129,34 +128,13 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class DeepseekModel(nn.Module):
-    """The decoder layers of ``span`` (the embedding only on the first stage, the final norm only on the last).
-
-    Layers keep their checkpoint index; another pipeline stage's are empty placeholders.
-    """
+class DeepseekModel(StagedDecoder):
+    """The DeepSeek decoder layers of ``span`` (see :class:`StagedDecoder`)."""
 
     def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int, span: LayerSpan):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx) \
-            if span.is_first else None
-        self.rotary_emb = RotaryEmbedding(config.mla.qk_rope_head_dim, max_positions, config.rope_theta,
-                                          config.rope_scaling, config.max_position_embeddings, ctx)
-        self.span = span
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, self.rotary_emb, ctx)
-                                    if span.start <= i < span.end else nn.Identity()  # another stage's
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx) if span.is_last else None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
-                kv_caches: list[tuple[torch.Tensor, ...]],
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
-        hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
-        for layer, kv_cache in zip(self.layers[self.span.start:self.span.end], kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, attn, kv_cache)
-        if self.norm is None:
-            return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        rotary = RotaryEmbedding(config.mla.qk_rope_head_dim, max_positions, config.rope_theta, config.rope_scaling,
+                                 config.max_position_embeddings, ctx)
+        super().__init__(config, ctx, span, rotary, lambda i: DeepseekDecoderLayer(config, i, rotary, ctx))
 
 
 class DeepseekV2ForCausalLM(CausalLM):
