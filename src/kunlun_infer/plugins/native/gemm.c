@@ -111,7 +111,8 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
     int64_t q = 0;
     const int64_t step = NR * (wkind == WEIGHT_BF16 ? 2 : 4);  /* bytes of weight per reduction index */
     for (; q + phases <= k; q += phases) {
-        prefetch((const char *)w + q * step + PREFETCH_BYTES);
+        if (VLEN == 8 || wkind == WEIGHT_BF16 || rows > 1)  /* AVX-512 float32 at one row: 4% faster without */
+            prefetch_span((const char *)w + q * step, phases * step);
         UNROLL for (int p = 0; p < phases; p++) {
             vf w0, w1;
             weight_pair(w, wkind, q + p, &w0, &w1);
