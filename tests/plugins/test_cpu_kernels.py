@@ -32,14 +32,14 @@ def test_cpu_ops_cover_and_conform_in_every_dtype(kernel_set):
     [(9, 9), (1, 1)],  # a prompt beside a one-token prompt
     [(12, 4), (7, 1), (30, 30), (3, 1)],  # chunked prefill, decode and prefill mixed
 ])
-@pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (6, 1), (12, 1)])
 def test_paged_attention_matches_reference(seqs, hq, hk, kernel_set):
     args = _batch(seqs, hq=hq, hk=hk)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
                                rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("d, block_size", [(32, 16), (64, 5), (8, 4)])  # head size 8: no native kernel
+@pytest.mark.parametrize("d, block_size", [(32, 16), (64, 5), (48, 16), (16, 4), (8, 4)])  # head size 8: no native kernel
 def test_decode_attention_over_long_contexts_and_head_sizes(d, block_size, kernel_set):
     args = _batch([(1, 1), (15, 1), (16, 1), (17, 1), (300, 1)], hq=14, hk=2, d=d, block_size=block_size)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
