@@ -45,10 +45,13 @@ FOR_DTYPE = {"bfloat16": ("llama.cpp bf16", "vllm bfloat16"), "float32": ("llama
 # ---------------------------------------------------------------------- host side (kunlun_infer's Python)
 
 def job(folder: Path, threads: int, new_tokens: int, b1_prompts: list[list[int]], prefill_prompts: list[list[int]],
-        requests: dict[str, dict[str, list]]) -> dict[str, Any]:
-    """What every peer measures: decode from fresh prompts, prefill, and the request sets."""
+        requests: dict[str, dict[str, list]], b1_repeats: int) -> dict[str, Any]:
+    """What every peer measures: decode from fresh prompts (a warm-up, then two per repeat), prefill, and the
+    request sets."""
+    if len(b1_prompts) < 1 + 2 * b1_repeats:
+        raise ValueError(f"{b1_repeats} batch-1 repeats need {1 + 2 * b1_repeats} prompts, not {len(b1_prompts)}")
     return {"folder": str(folder), "threads": threads, "new_tokens": new_tokens, "b1_prompts": b1_prompts,
-            "prefill_prompts": prefill_prompts, "requests": requests}
+            "b1_repeats": b1_repeats, "prefill_prompts": prefill_prompts, "requests": requests}
 
 
 def measure(python: str, engine: str, work: dict[str, Any], timeout: float = 7200) -> dict[str, Any]:
@@ -162,6 +165,17 @@ def convert_to_gguf(folder: Path, weights: str) -> Path:
 
 # ---------------------------------------------------------------------- peer side: llama.cpp
 
+def b1_ms_per_token(timed: Any, work: dict[str, Any]) -> float:
+    """Batch-1 decode ms/token from ``timed(prompt, count)`` (seconds to generate ``count`` tokens): a run of
+    ``new_tokens + 1`` less a run of one (the prefill), on fresh prompts; the best of ``b1_repeats`` pairs."""
+    new, prompts, best = work["new_tokens"], work["b1_prompts"][1:], float("inf")
+    for i in range(work["b1_repeats"]):
+        one = timed(prompts[2 * i], 1)
+        many = timed(prompts[2 * i + 1], new + 1)
+        best = min(best, 1e3 * (many - one) / new)
+    return best
+
+
 def _llama_generate(llm: Any, prompt: list[int], count: int) -> list[int]:
     """Exactly ``count`` greedy tokens after ``prompt`` (end-of-text ignored: this file has no vocabulary)."""
     out = []
@@ -178,21 +192,20 @@ def run_llama_cpp(weights: str, work: dict[str, Any]) -> dict[str, Any]:
     path = convert_to_gguf(Path(work["folder"]), weights)
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=work["threads"],
                           n_threads_batch=work["threads"], verbose=False)
-    new = work["new_tokens"]
-    first, second, third = work["b1_prompts"][:3]
-    _llama_generate(llm, first, 2)  # warm
-    start = time.perf_counter()
-    _llama_generate(llm, second, 1)
-    one = time.perf_counter() - start
-    start = time.perf_counter()
-    _llama_generate(llm, third, new + 1)
-    many = time.perf_counter() - start
+    _llama_generate(llm, work["b1_prompts"][0], 2)  # warm
+
+    def timed(prompt: list[int], count: int) -> float:
+        start = time.perf_counter()
+        _llama_generate(llm, prompt, count)
+        return time.perf_counter() - start
+
+    b1 = b1_ms_per_token(timed, work)
     best = float("inf")
     for prompt in work["prefill_prompts"]:
         start = time.perf_counter()
         _llama_generate(llm, prompt, 1)
         best = min(best, time.perf_counter() - start)
-    result: dict[str, Any] = {"decode_b1_ms_per_token": 1e3 * (many - one) / new,
+    result: dict[str, Any] = {"decode_b1_ms_per_token": b1,
                               "prefill_256_tok_s": len(work["prefill_prompts"][0]) / best,
                               "serving": "one request at a time", "version": llama_cpp.__version__,
                               "weights": weights}
@@ -226,13 +239,10 @@ def run_vllm(dtype: str, work: dict[str, Any]) -> dict[str, Any]:
         assert [len(o.outputs[0].token_ids) for o in outs] == counts
         return seconds
 
-    new = work["new_tokens"]
-    first, second, third = work["b1_prompts"][:3]
-    run([first], [2])  # warm
-    one = run([second], [1])
-    many = run([third], [new + 1])
+    run([work["b1_prompts"][0]], [2])  # warm
+    b1 = b1_ms_per_token(lambda prompt, count: run([prompt], [count]), work)
     best = min(run([p], [1]) for p in work["prefill_prompts"])
-    result: dict[str, Any] = {"decode_b1_ms_per_token": 1e3 * (many - one) / new,
+    result: dict[str, Any] = {"decode_b1_ms_per_token": b1,
                               "prefill_256_tok_s": len(work["prefill_prompts"][0]) / best,
                               "serving": "continuous batching", "version": vllm.__version__, "weights": dtype}
     for key, reqs in work["requests"].items():
