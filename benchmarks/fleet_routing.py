@@ -18,27 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 
 import kunlun_infer as ki
 
-
-def cpu_facts() -> dict[str, Any]:
-    from kunlun_infer.plugins.cpu_device import cpu_flags
-
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    flags = cpu_flags()
-    isa = "avx512_bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else \
-        "avx2" if "avx2" in flags else "other"
-    return {"cpu": model, "isa": isa, "isa_override": os.environ.get("KUNLUN_INFER_CPU_ISA"),
-            "cores": os.cpu_count(), "torch": torch.__version__}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
 
 
 def snapshot(fleet: ki.Fleet) -> dict[str, dict[str, Any]]:
@@ -93,7 +82,7 @@ def main() -> None:
                  "server.max_queue=256"]
     with ki.Fleet("cpu_simchip", overrides=overrides) as fleet:
         fleet.generate(["warm up"] * 4, ki.SamplingParams(max_tokens=4, temperature=0))
-        result = {"machine": cpu_facts(), "fleet": "cpu_simchip", "model": "embedded default (Llama, 6 layers)",
+        result = {"machine": machine.facts(), "fleet": "cpu_simchip", "model": "embedded default (Llama, 6 layers)",
                   # the first burst is routed before the router has measured any replica's speed, the second after
                   "load_first_burst": load_phase(fleet, args.requests),
                   "load_second_burst": load_phase(fleet, args.requests), "prefix": prefix_phase(fleet, 6, 8)}

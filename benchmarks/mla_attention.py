@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,15 +30,8 @@ from kunlun_infer.ops.attention_step import AttentionStep
 from kunlun_infer.ops.reference_mla import ReferenceMLABackend
 from kunlun_infer.plugins.torch_mla import TorchMLABackend
 
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
 
 
 def timed(fn, repeats: int) -> float:
@@ -91,8 +84,9 @@ def main() -> None:
         t_ref, t_mine = timed(lambda: run(reference), args.repeats), timed(lambda: run(mine), args.repeats)
     latent_bytes = cache_spec.nbytes // (num_blocks * bs)
     per_head_bytes = 2 * args.heads * 192 * cache.element_size()
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    facts = machine.facts()
+    print(f"CPU: {machine.describe(facts)}; torch {torch.__version__}, "
+          f"torch CPU capability {facts['torch_cpu_capability']}")
     print(f"MLA decode, {batch} sequences x {ctx} tokens of context, {args.heads} heads, latent 512 + rope 64, "
           f"{args.dtype}: max relative difference {err:.2e}")
     print(f"  reference-mla (decompress each context): {1e3 * t_ref:8.2f} ms per layer-step")
@@ -102,10 +96,7 @@ def main() -> None:
           f"of the same heads ({per_head_bytes / latent_bytes:.1f}x)")
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"cpu": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(),
-                                "torch": torch.__version__, "threads": torch.get_num_threads(),
-                                "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg")
-                                else None, "dtype": args.dtype, "batch": batch, "context": ctx,
+            f.write(json.dumps({"machine": facts, "dtype": args.dtype, "batch": batch, "context": ctx,
                                 "heads": args.heads, "reference_ms": 1e3 * t_ref, "torch_mla_ms": 1e3 * t_mine,
                                 "speedup": t_ref / t_mine, "max_relative_difference": err,
                                 "cache_bytes_per_token_layer": latent_bytes,

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,23 +32,14 @@ from typing import Any
 import torch
 
 from kunlun_infer.ops import TOLERANCES, reference
-from kunlun_infer.plugins import cpu_device, cpu_kernels, cpu_native
+from kunlun_infer.plugins import cpu_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe.json"
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "amx_bf16", "amx_int8")
 GOAL = 3.0  # times faster than the reference at batch 32
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def machine() -> dict[str, Any]:
-    info = cpu_device._cpuinfo()
-    flags = cpu_device.cpu_flags()
-    chosen = cpu_native.selection()
-    return {"cpu_model": info.get("model name") or platform.processor() or platform.machine(),
-            "isa_flags": [f for f in ISA_FLAGS if f in flags], "kernel_set": chosen.name,
-            "kernel_set_why": chosen.reason, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "isa_cap": os.environ.get(cpu_device.ISA_ENV, "native")}
 
 
 def best_time(fn, repeats: int) -> float:
@@ -102,8 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    facts = machine()
-    facts["load_average"] = list(os.getloadavg())
+    facts = machine.facts()
     print(f"{facts['cpu_model']}; ISA {' '.join(facts['isa_flags'])}; kernel set {facts['kernel_set']} "
           f"({facts['kernel_set_why']}); {facts['threads']} threads; torch {facts['torch']}; load average "
           f"{facts['load_average'][0]:.1f}")

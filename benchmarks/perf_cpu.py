@@ -59,7 +59,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -73,13 +72,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_peers  # noqa: E402  (a sibling file, not a package)
+import machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "perf_cpu.json"
 #: batch-1 decode is measured this many times per engine and dtype, the best kept (peers alike)
 B1_REPEATS = 3
-#: the flags worth printing beside a figure (what decides the kernels)
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "amx_bf16", "amx_int8")
 #: ``--isa`` cap -> environment making torch and oneDNN run as on such a CPU too
 TORCH_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
               "avx2-vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
@@ -182,19 +179,6 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def machine_facts() -> dict[str, Any]:
-    from kunlun_infer.plugins import cpu_device, cpu_native
-
-    info = cpu_device._cpuinfo()
-    flags = cpu_device.cpu_flags()
-    chosen = cpu_native.selection()
-    return {"cpu_model": info.get("model name") or platform.processor() or platform.machine(),
-            "isa_flags": [f for f in ISA_FLAGS if f in flags], "threads": torch.get_num_threads(),
-            "kernel_set": chosen.name, "kernel_set_why": chosen.reason, "torch": torch.__version__,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "isa_cap": os.environ.get(cpu_device.ISA_ENV, "native")}
-
-
 def measure_machine() -> dict[str, float]:
     """fp32 FMA peak (the native probe at the kernel set's vector width), torch's fp32 matmul, read bandwidth."""
     from kunlun_infer.plugins import cpu_native
@@ -234,9 +218,10 @@ def decode_bytes(model: Any) -> int:
         return total
     table = [t for t in (embed.weight, getattr(embed, "qweight", None), getattr(embed, "qscale", None))
              if isinstance(t, torch.Tensor)]
-    head_tensors = [t for t in (getattr(head, "packed_weight", None), getattr(head, "weight", None))
-                    if isinstance(t, torch.Tensor)]
-    if any(shares_storage(h, t) for h in head_tensors for t in table):
+    packed = getattr(head, "packed_weight", None)
+    multiplied = packed if packed is not None else getattr(head, "weight", None)  # what the head streams
+    if any(shares_storage(part, t) for part in (multiplied if isinstance(multiplied, tuple) else (multiplied,))
+           for t in table):
         return total
     return total - sum(t.numel() * t.element_size() for t in table)
 
@@ -435,7 +420,7 @@ def run_kernel_set(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     shape = SHAPES[args.model]
     folder = build_model(shape, args.model_dir / args.model)
-    facts = machine_facts()
+    facts = machine.facts()
     result: dict[str, Any] = {"machine": facts, "load_average_start": os.getloadavg(), "kunlun": {},
                               "transformers": {}}
     print(f"[{facts['kernel_set']}] {facts['cpu_model']}, {facts['threads']} threads, ISA "

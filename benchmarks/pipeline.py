@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -35,23 +33,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kunlun_infer import LLM, SamplingParams  # noqa: E402
-from kunlun_infer.plugins import cpu_device, cpu_native  # noqa: E402
 from tests.engine.tiny_models import build_tiny_model  # noqa: E402
+import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
 
-ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 #: (label, pipeline_size, pipeline_batches, torch threads per rank)
 SETTINGS = [("PP=2, 1 batch in flight", 2, 1, 1), ("PP=2, 2 batches in flight", 2, 2, 1),
             ("PP=1, 1 thread", 1, 1, 1), ("PP=1, 2 threads", 1, 1, 2)]
-
-
-def machine() -> dict:
-    flags = cpu_device.cpu_flags()
-    return {"cpu_model": cpu_device._cpuinfo().get("model name") or platform.processor(),
-            "isa_flags": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count(),
-            "kernel_set": cpu_native.selection().name, "torch": torch.__version__,
-            "load_average": list(os.getloadavg())}
 
 
 def run(folder: Path, prompts: list[list[int]], max_tokens: int, stages: int, batches: int, threads: int,
@@ -81,7 +71,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "pipeline.json"))
     args = parser.parse_args()
-    facts = machine()
+    facts = machine.facts()
     print(f"{facts['cpu_model']}; ISA {' '.join(facts['isa_flags'])}; {facts['cores']} cores; kernel set "
           f"{facts['kernel_set']}; load average {facts['load_average'][0]:.1f}")
     g = torch.Generator().manual_seed(0)

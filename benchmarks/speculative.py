@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sysconfig
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,9 @@ from typing import Any
 import torch
 
 import kunlun_infer as ki
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative.json"
 
@@ -45,18 +47,6 @@ def prompts(count: int, prompt_tokens: int, tokenizer: Any) -> list[list[int]]:
         if len(found) == count:
             break
     return found
-
-
-def cpu_facts() -> dict[str, Any]:
-    from kunlun_infer.plugins.cpu_device import cpu_flags
-
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    flags = cpu_flags()
-    isa = "avx512_bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else \
-        "avx2" if "avx2" in flags else "other"
-    return {"cpu": model, "isa": isa, "isa_override": os.environ.get("KUNLUN_INFER_CPU_ISA"),
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def measure(overrides: list[str], requests: list[list[int]], params: ki.SamplingParams) -> dict[str, Any]:
@@ -111,10 +101,10 @@ def main() -> None:
                         f"x{entry[mode]['speedup_wall']:.2f} wall  x{entry[mode]['speedup_cpu']:.2f} cpu  "
                         f"accepted {entry['acceptance_rate']:.0%}  {entry['tokens_per_step']:.2f} tokens/step")
         table[name] = entry
-    result = {**cpu_facts(), "workload": {"files": len(requests), "prompt_tokens": args.prompt_tokens,
+    result = {"machine": machine.facts(), "workload": {"files": len(requests), "prompt_tokens": args.prompt_tokens,
                                           "max_tokens": args.max_tokens, "model": "embedded default model"},
               "runs": table}
-    print(f"CPU: {result['cpu']} ({result['isa']}, {result['threads']} threads); {len(requests)} stdlib files, "
+    print(f"CPU: {machine.describe(result['machine'])}; {len(requests)} stdlib files, "
           f"{args.prompt_tokens}-token prompts, {args.max_tokens} greedy tokens each; texts equal to plain decoding")
     print("\n".join(rows))
     RESULTS.parent.mkdir(exist_ok=True)

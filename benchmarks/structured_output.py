@@ -27,16 +27,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sysconfig
 import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "structured_output.json"
 BATCH = 32
@@ -82,21 +84,6 @@ def build_model(folder: Path) -> int:
     model = tf.LlamaForCausalLM(config)
     model.save_pretrained(folder, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
-
-
-def cpu_facts() -> dict[str, Any]:
-    from kunlun_infer.plugins import cpu_native
-    from kunlun_infer.plugins.cpu_device import cpu_flags
-
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    flags = cpu_flags()
-    isa = "avx512_bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else \
-        "avx2" if "avx2" in flags else "other"
-    return {"cpu": model, "isa": isa, "isa_override": os.environ.get("KUNLUN_INFER_CPU_ISA"),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "mask_kernel": f"native {cpu_native.selection().name} (masked stores)" if cpu_native.library()
-            else "reference (torch)"}
 
 
 def clock() -> tuple[float, float]:
@@ -176,13 +163,15 @@ def main() -> None:
     free_ms, json_ms, mask_ms = (median_ms(t, 0) for t in (free_steps, json_steps, mask_times))
     wall = {name: round(median_ms(t, 1), 3) for name, t in
             (("free_step_ms", free_steps), ("json_step_ms", json_steps), ("mask_ms_per_step", mask_times))}
-    result = {**cpu_facts(), "model_parameters": params_count, "vocab": 32000, "batch": BATCH,
+    result = {"machine": machine.facts(), "model_parameters": params_count, "vocab": 32000, "batch": BATCH,
               "free_step_ms": round(free_ms, 3), "json_step_ms": round(json_ms, 3),
               "mask_ms_per_step": round(mask_ms, 3), "mask_fraction_of_free_step": round(mask_ms / free_ms, 4),
               "json_step_over_free_step": round(json_ms / free_ms, 4), "wall_clock": wall,
               "steps_measured": {"free": len(free_steps), "json": len(json_steps)}}
-    print(f"CPU: {result['cpu']} ({result['isa']}, {result['threads']} threads), mask kernel: "
-          f"{result['mask_kernel']}")
+    mask_kernel = f"native {result['machine']['kernel_set']} (masked stores)" \
+        if result["machine"]["kernel_set"] != "torch" else "reference (torch)"
+    result["mask_kernel"] = mask_kernel
+    print(f"CPU: {machine.describe(result['machine'])}; mask kernel: {mask_kernel}")
     print(f"decode step, batch {BATCH}, {params_count / 1e6:.1f}M params, vocab 32000 (CPU ms; wall ms):")
     print(f"  free                    {free_ms:8.2f}  {wall['free_step_ms']:8.2f}")
     print(f"  json schema             {json_ms:8.2f}  {wall['json_step_ms']:8.2f}  ({json_ms / free_ms:.2f}x)")
