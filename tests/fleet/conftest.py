@@ -17,6 +17,7 @@ import pytest
 
 from tests.chat_models import build_chat_model
 from tests.engine.tiny_models import engine_overrides
+from tests.server.harness import ServedApp
 
 for _module, _extra in (("ray", "cluster"), ("kunlun_infer_simchip", "hooks/kunlun-infer-simchip")):
     if importlib.util.find_spec(_module) is None:
@@ -68,42 +69,9 @@ def chat_model(tmp_path_factory):
     return build_chat_model(tmp_path_factory.mktemp("fleet-model"))
 
 
-class FleetServer:
-    """``fleet.app()`` served by uvicorn in a thread on a free loopback port."""
+class FleetServer(ServedApp):
+    """``fleet.app()``, served (see :class:`tests.server.harness.ServedApp`)."""
 
     def __init__(self, fleet) -> None:
-        import socket
-        import threading
-        import time
-
-        import uvicorn
-
         self.fleet = fleet
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(256)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(fleet.app(), log_level="warning", log_config=None,
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the fleet's server did not start"
-            time.sleep(0.02)
-
-    def metrics(self) -> dict[str, float]:
-        """``/metrics`` parsed into ``{sample name with labels: value}``."""
-        import httpx
-
-        samples = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
+        super().__init__(fleet.app())

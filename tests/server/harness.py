@@ -10,23 +10,19 @@ from pathlib import Path
 import httpx
 
 
-class RunningServer:
-    """``build_app`` for ``engine`` served by uvicorn in a thread; ``stop()`` shuts it down gracefully."""
+class ServedApp:
+    """An ASGI ``app`` served by uvicorn in a thread on a free loopback port; ``stop()`` shuts it down gracefully."""
 
-    def __init__(self, engine, *, model_name: str = "tiny-chat", max_queue: int = 256) -> None:
+    def __init__(self, app) -> None:
         import uvicorn
 
-        from kunlun_infer.server import build_app
-
-        self.engine = engine
-        self.model_name = model_name
-        self.app = build_app(engine, model_name=model_name, max_queue=max_queue)
+        self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(256)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", log_config=None,
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None,
                                                     timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -36,13 +32,9 @@ class RunningServer:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
 
-    @property
-    def loop(self):
-        return self.app.state.server.loop
-
     def metrics(self) -> dict[str, float]:
         """``/metrics`` parsed into ``{sample name with labels: value}``."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
         samples = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -54,6 +46,21 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+class RunningServer(ServedApp):
+    """``build_app`` for ``engine``, served (see :class:`ServedApp`)."""
+
+    def __init__(self, engine, *, model_name: str = "tiny-chat", max_queue: int = 256) -> None:
+        from kunlun_infer.server import build_app
+
+        self.engine = engine
+        self.model_name = model_name
+        super().__init__(build_app(engine, model_name=model_name, max_queue=max_queue))
+
+    @property
+    def loop(self):
+        return self.app.state.server.loop
 
 
 def engine_for(folder: Path, **keys):
