@@ -55,17 +55,47 @@ def test_unknown_architectures_are_refused_listing_the_supported_ones(hf_folder,
     assert {"Qwen3MoeForCausalLM", "MixtralForCausalLM"} <= set(SUPPORTED_ARCHITECTURES)
 
 
+#: a router whose k-th and (k+1)-th expert probabilities (float32) are closer than this may be resolved either way
+#: in bf16, which keeps 8 significant bits: a flip measured at 1.8e-3 on these random routers
+ROUTING_TIE = 3e-3
+
+
+def near_ties(hf_model, tokens: list[int]) -> set[int]:
+    """Positions of ``tokens`` where some layer's float32 router nearly ties at the top-k boundary."""
+    k, ties, hooks = hf_model.config.num_experts_per_tok, set(), []
+
+    def record(module, inputs, output):
+        logits = (output[0] if isinstance(output, tuple) else output).float().reshape(len(tokens), -1)
+        top = logits.softmax(-1).topk(k + 1, dim=-1).values
+        ties.update(torch.nonzero(top[:, k - 1] - top[:, k] < ROUTING_TIE).flatten().tolist())
+
+    for name, module in hf_model.named_modules():
+        if name.endswith(".gate"):
+            hooks.append(module.register_forward_hook(record))
+    try:
+        hf_logits(hf_model, tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ties
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_bf16_checkpoint_logits_within_tolerance_of_transformers(arch, hf_folder, runtime):
-    # measured against transformers on the same bf16 weights computed in float32: in bf16 a token whose two best
-    # experts nearly tie may be routed differently by any two implementations (transformers' own bf16 run strays
-    # ~0.1 from float32 on one of these tokens), so bf16-against-bf16 would measure the tie, not the model
+    # measured against transformers on the same bf16 weights computed in float32. In bf16 a token whose k-th and
+    # (k+1)-th experts nearly tie may be routed either way by any two implementations (transformers' own bf16 run
+    # strays ~0.1 from float32 on such a token), so those few tokens are left out; every other one must agree
     folder, _ = hf_folder(arch, dtype=torch.bfloat16)
     hf32 = load_hf_model(folder, torch.float32)
     model = load_model(folder, runtime=runtime, dtype=torch.bfloat16)
     out = PagedKV(model, block_size=4).step(prompts())
+    checked = 0
     for i, tokens in prompts().items():
-        assert max_relative_error(out[i], hf_logits(hf32, tokens)) < 3e-2, f"prompt {i}"
+        keep = [j for j in range(len(tokens)) if j not in near_ties(hf32, tokens)]
+        checked += len(keep)
+        if keep:
+            assert max_relative_error(out[i][keep], hf_logits(hf32, tokens)[keep]) < 3e-2, f"prompt {i}"
+    assert checked >= 0.8 * sum(len(t) for t in prompts().values()), "too few tokens are clear of routing ties"
 
 
 def test_int8_quantization_is_refused_for_expert_weights(hf_folder, runtime):

@@ -39,6 +39,23 @@ def test_paged_attention_matches_reference(seqs, hq, hk, kernel_set):
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("limit", [0, 16, 10_000])  # every prompt through SDPA / some / none
+def test_prompts_long_and_short_take_their_own_kernel_and_agree(limit, kernel_set, monkeypatch):
+    """Short prompts run row by row with the decode rows, longer ones through SDPA; a batch mixing them (with a
+    cached prefix, chunked prefill and decode rows) matches the reference either way."""
+    monkeypatch.setattr(cpu_attention, "NATIVE_PROMPT_CONTEXT", limit)
+    calls = []
+    sdpa = cpu_attention.prefill_attention
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a: calls.append(a[-2]) or sdpa(*a))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        calls.clear()
+        args = _batch([(12, 4), (7, 1), (40, 40), (3, 3), (30, 9), (1, 1)], hq=14, hk=2, dtype=dtype)
+        torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
+                                   rtol=tol, atol=tol)
+        native = kernel_set != "torch"
+        assert sorted(calls) == ([3, 12, 30, 40] if limit == 0 or not native else [30, 40] if limit == 16 else [])
+
+
 @pytest.mark.parametrize("d, block_size", [(32, 16), (64, 5), (48, 16), (16, 4), (8, 4)])  # head size 8: no native kernel
 def test_decode_attention_over_long_contexts_and_head_sizes(d, block_size, kernel_set):
     args = _batch([(1, 1), (15, 1), (16, 1), (17, 1), (300, 1)], hq=14, hk=2, d=d, block_size=block_size)

@@ -1,4 +1,4 @@
-"""``paged_attention`` for the host CPU: decode straight from the paged cache, prompts through SDPA.
+"""``paged_attention`` for the host CPU: decode straight from the paged cache, long prompts through SDPA.
 
 Decode tokens of the whole batch go to the C kernel of
 ``native/paged_decode_attention.c``, which reads each cached key and value
@@ -8,8 +8,12 @@ head size not a multiple of 16) they run as one SDPA over their
 block-gathered K/V (``index_select`` of the blocks in use) in the cache's
 dtype — the CPU SDPA kernel accumulates low precision in float32 itself —
 with the ``Hq / Hk`` query heads of a KV head folded into the query-length
-axis, so K/V are never repeated per query head. Prompts run one SDPA each:
-plain causal without a cached prefix, bottom-right causal mask with one.
+axis, so K/V are never repeated per query head. Prompts of up to
+``NATIVE_PROMPT_CONTEXT`` tokens of context go to the same kernel with the
+decode rows, in one call, each of their rows a one-token query over the
+prefix it may see (its position + 1 tokens: causal by construction, a
+cached prefix included). Longer prompts run one SDPA each: plain causal
+without a cached prefix, bottom-right causal mask with one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.plugins import cpu_native
+
+
+#: prompts with at most this many tokens of context run row by row through the native decode kernel (each row a
+#: one-token query over its own prefix), longer ones through SDPA. Measured (2 threads, 14 query heads over 2 KV
+#: heads, head size 64): the rows are 2x faster than SDPA at 32-256 tokens in bf16 and 1.2-1.6x in float32, and
+#: no faster at 1024 (slower with AVX2), where SDPA's blocked kernel reuses each key for many queries.
+NATIVE_PROMPT_CONTEXT = 512
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Tensor:
@@ -93,6 +104,22 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out[0].transpose(0, 1)
 
 
+def _native_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 qsl: list[int], lens: list[int], seqs: list[int], scale: float) -> torch.Tensor | None:
+    """The query rows of sequences ``seqs`` through the native kernel, each row as its own one-token query over
+    the context it may see (its position + 1 tokens): ``[rows, Hq, D]`` in the order of ``seqs``, or ``None``
+    when the kernel does not apply."""
+    counts = [qsl[i + 1] - qsl[i] for i in seqs]
+    if len(seqs) == len(lens) and qsl[0] == 0:  # every row of the batch, in order: no gather
+        rows = q
+    else:
+        rows = q.index_select(0, torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in seqs]).to(q.device))
+    ids = torch.tensor(seqs, device=q.device).repeat_interleave(torch.tensor(counts, device=q.device))
+    row_lens = torch.cat([torch.arange(lens[i] - n + 1, lens[i] + 1, dtype=torch.int32)
+                          for i, n in zip(seqs, counts)]).to(q.device)
+    return native_decode_attention(rows, k_cache, v_cache, block_tables.index_select(0, ids), row_lens, scale)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention over paged K/V; same contract as the reference ``paged_attention``."""
@@ -103,16 +130,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if all(n == 1 for n in q_lens):  # decode only: one query per sequence, rows in sequence order
         return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale).to(q.dtype)
     out = torch.empty_like(q)
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
-        rows = torch.tensor([qsl[i] for i in decode], device=q.device)
-        idx = torch.tensor(decode, device=q.device)
-        out[rows] = decode_attention(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, idx),
-                                     seq_lens.index_select(0, idx), max(lens[i] for i in decode),
-                                     scale).to(q.dtype)
+    # decode rows and prompts of up to NATIVE_PROMPT_CONTEXT tokens of context: one native call, row by row
+    short = [i for i, n in enumerate(q_lens) if n == 1 or lens[i] <= NATIVE_PROMPT_CONTEXT]
+    native = _native_rows(q, k_cache, v_cache, block_tables, qsl, lens, short, scale) if short else None
+    if native is not None:
+        if len(short) == num_seqs:
+            return native.to(q.dtype)
+        rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in short]).to(q.device)
+        out[rows] = native.to(q.dtype)
+        done = set(short)
+    else:
+        done = {i for i, n in enumerate(q_lens) if n == 1}
+        if done:
+            decode = sorted(done)
+            rows = torch.tensor([qsl[i] for i in decode], device=q.device)
+            idx = torch.tensor(decode, device=q.device)
+            out[rows] = decode_attention(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, idx),
+                                         seq_lens.index_select(0, idx), max(lens[i] for i in decode),
+                                         scale).to(q.dtype)
     for i, n in enumerate(q_lens):
-        start, end = qsl[i], qsl[i + 1]
-        if n > 1:
+        if i not in done:
+            start, end = qsl[i], qsl[i + 1]
             out[start:end] = prefill_attention(q[start:end], k_cache, v_cache, block_tables[i], lens[i],
                                                scale).to(q.dtype)
     return out
