@@ -27,8 +27,8 @@ vocab 151936, tied embeddings) and the same token-id requests:
 - int8 accuracy: the default model's validation loss and the workload
   model's per-token log-probabilities, int8 against unquantized.
 
-Every figure is printed and stored (``benchmarks/results/perf_cpu.json``)
-beside the CPU model, its ISA flags, the threads and the kernel set. On a
+Every figure is printed and stored (``benchmarks/results/perf_cpu.json``, or
+``--out``) beside the CPU model, its ISA flags, the threads and the kernel set. On a
 shared machine the absolute figures are noisy: read the ratios (against
 transformers and the machine, measured in the same process) first::
 
