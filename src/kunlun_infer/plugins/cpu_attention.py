@@ -117,7 +117,9 @@ def _native_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ids = torch.tensor(seqs, device=q.device).repeat_interleave(torch.tensor(counts, device=q.device))
     row_lens = torch.cat([torch.arange(lens[i] - n + 1, lens[i] + 1, dtype=torch.int32)
                           for i, n in zip(seqs, counts)]).to(q.device)
-    return native_decode_attention(rows, k_cache, v_cache, block_tables.index_select(0, ids), row_lens, scale)
+    used = -(-max(lens[i] for i in seqs) // k_cache.shape[1])  # a row's table: only the blocks any row reads
+    return native_decode_attention(rows, k_cache, v_cache, block_tables[:, :used].index_select(0, ids), row_lens,
+                                   scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
