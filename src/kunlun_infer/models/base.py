@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kunlun_infer.layers import LayerContext, RMSNorm, VocabParallelEmbedding, WeightSpec
+from kunlun_infer.layers import LayerContext, ParallelLMHead, RMSNorm, VocabParallelEmbedding, WeightSpec
 from kunlun_infer.layers.linear import heads_per_rank
 from kunlun_infer.models.config import ModelArchConfig
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec
@@ -199,3 +199,50 @@ class CausalLM(nn.Module):
                 seen.add(key)
                 total += t.numel() * t.element_size()
         return total
+
+
+class StagedCausalLM(CausalLM):
+    """A :class:`CausalLM` whose layers are a :class:`StagedDecoder` (``self.model``, built by ``make_model`` for
+    the span) and whose LM head sits on the last stage.
+
+    Checkpoint tensors of layers outside the span (another stage's, or past the
+    last decoder layer such as DeepSeek-V3's multi-token-prediction layers) are
+    not this rank's; a last stage without the embedding reads a tied table
+    itself, under the embedding's name.
+    """
+
+    def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int, span: LayerSpan | None,
+                 make_model: Callable[[LayerSpan], StagedDecoder]):
+        super().__init__(config, ctx)
+        self.span = span = span if span is not None else LayerSpan.whole(config.num_hidden_layers)
+        self.model = make_model(span)
+        self.lm_head = None
+        if span.is_last:
+            tied = self.model.embed_tokens if config.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, tied_to=tied)
+        self.num_layers = span.num_layers
+        self.max_positions = max_positions
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
+                kv_caches: list[tuple[torch.Tensor, ...]],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        return self.model(input_ids, positions, attn, kv_caches, intermediate)
+
+    def checkpoint_tensors(self) -> dict[str, tuple[nn.Module, WeightSpec]]:
+        tensors = super().checkpoint_tensors()
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is None:
+            tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
+        return tensors
+
+    def owns_tensor(self, name: str) -> bool:
+        span = self.span
+        if name.startswith("model.layers."):
+            return span.start <= int(name.split(".")[2]) < span.end
+        if name.startswith("model.embed_tokens."):
+            return span.is_first or (span.is_last and self.config.tie_word_embeddings)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return span.is_last
+        return True
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

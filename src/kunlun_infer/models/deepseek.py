@@ -31,7 +31,6 @@ from torch import nn
 from kunlun_infer.layers import (
     ColumnParallelLinear,
     LayerContext,
-    ParallelLMHead,
     ReplicatedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -40,8 +39,7 @@ from kunlun_infer.layers import (
 from kunlun_infer.layers.context import divide
 from kunlun_infer.layers.mla import MLAAttention, MLAUpProjection
 from kunlun_infer.layers.moe import MOE_OPS, SparseMoeBlock
-from kunlun_infer.layers import WeightSpec
-from kunlun_infer.models.base import CausalLM, LayerSpan, StagedDecoder
+from kunlun_infer.models.base import CausalLM, LayerSpan, StagedCausalLM, StagedDecoder
 from kunlun_infer.models.config import MLAConfig, ModelArchConfig
 from kunlun_infer.models.llama import LlamaMLP
 from kunlun_infer.ops.attention import AttentionSpec, mla_spec
@@ -137,7 +135,7 @@ class DeepseekModel(StagedDecoder):
         super().__init__(config, ctx, span, rotary, lambda i: DeepseekDecoderLayer(config, i, rotary, ctx))
 
 
-class DeepseekV2ForCausalLM(CausalLM):
+class DeepseekV2ForCausalLM(StagedCausalLM):
     """``DeepseekV2ForCausalLM`` checkpoints (V2, V2-Lite)."""
 
     required_ops = CausalLM.required_ops + MOE_OPS
@@ -145,18 +143,10 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int,
                  span: LayerSpan | None = None):
-        super().__init__(config, ctx)
-        self.span = span = span if span is not None else LayerSpan.whole(config.num_hidden_layers)
-        self.model = DeepseekModel(config, ctx, max_positions, span)
-        self.lm_head = None
-        if span.is_last:
-            tied = self.model.embed_tokens if config.tie_word_embeddings else None
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, tied_to=tied)
-        self.num_layers = span.num_layers
+        super().__init__(config, ctx, max_positions, span, lambda span: DeepseekModel(config, ctx, max_positions, span))
         # what one token caches per layer: the latent and the rotary key, shared by every head
         self.num_kv_heads = 1
         self.head_dim = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
-        self.max_positions = max_positions
 
     @classmethod
     def attention_spec(cls, config: ModelArchConfig, *, dtype: torch.dtype, tp_size: int = 1) -> AttentionSpec:
@@ -164,31 +154,6 @@ class DeepseekV2ForCausalLM(CausalLM):
         return mla_spec(num_heads=divide(config.num_attention_heads, tp_size, "attention heads"),
                         qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
                         kv_lora_rank=mla.kv_lora_rank, v_head_dim=mla.v_head_dim, dtype=dtype)
-
-    def checkpoint_tensors(self) -> dict[str, tuple[nn.Module, WeightSpec]]:
-        tensors = super().checkpoint_tensors()
-        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is None:
-            tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
-        return tensors
-
-    def owns_tensor(self, name: str) -> bool:
-        # DeepSeek-V3 checkpoints carry multi-token-prediction layers after the last decoder layer: never ours
-        span = self.span
-        if name.startswith("model.layers."):
-            return span.start <= int(name.split(".")[2]) < span.end
-        if name.startswith("model.embed_tokens."):
-            return span.is_first or (span.is_last and self.config.tie_word_embeddings)
-        if name.startswith(("model.norm.", "lm_head.")):
-            return span.is_last
-        return True
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
-                kv_caches: list[tuple[torch.Tensor, ...]],
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
-        return self.model(input_ids, positions, attn, kv_caches, intermediate)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -19,14 +19,12 @@ from kunlun_infer.layers import (
     Attention,
     LayerContext,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
 )
-from kunlun_infer.layers import WeightSpec
-from kunlun_infer.models.base import CausalLM, LayerSpan, StagedDecoder
+from kunlun_infer.models.base import LayerSpan, StagedCausalLM, StagedDecoder
 from kunlun_infer.models.config import ModelArchConfig
 
 
@@ -106,7 +104,7 @@ class LlamaModel(StagedDecoder):
         super().__init__(config, ctx, span, rotary, lambda i: layer_class(config, rotary, ctx, i))
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(StagedCausalLM):
     """``LlamaForCausalLM`` and ``MistralForCausalLM`` checkpoints."""
 
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -116,39 +114,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: ModelArchConfig, ctx: LayerContext, max_positions: int,
                  span: LayerSpan | None = None):
-        super().__init__(config, ctx)
-        self.span = span = span if span is not None else LayerSpan.whole(config.num_hidden_layers)
-        self.model = LlamaModel(config, ctx, max_positions, span, self.decoder_layer)
-        self.lm_head = None
-        if span.is_last:
-            # a last stage without the embedding reads the tied table itself, under the embedding's name
-            tied = self.model.embed_tokens if config.tie_word_embeddings else None
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, tied_to=tied)
-        self.num_layers = span.num_layers
-        self.num_kv_heads = self.model.layers[span.start].self_attn.num_kv_heads
+        super().__init__(config, ctx, max_positions, span,
+                         lambda span: LlamaModel(config, ctx, max_positions, span, self.decoder_layer))
+        self.num_kv_heads = self.model.layers[self.span.start].self_attn.num_kv_heads
         self.head_dim = config.head_dim
-        self.max_positions = max_positions
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
-                kv_caches: list[tuple[torch.Tensor, ...]],
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
-        return self.model(input_ids, positions, attn, kv_caches, intermediate)
-
-    def checkpoint_tensors(self) -> dict[str, tuple[nn.Module, WeightSpec]]:
-        tensors = super().checkpoint_tensors()
-        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is None:
-            tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
-        return tensors
-
-    def owns_tensor(self, name: str) -> bool:
-        span = self.span
-        if name.startswith("model.layers."):
-            return span.start <= int(name.split(".")[2]) < span.end
-        if name.startswith("model.embed_tokens."):
-            return span.is_first or (span.is_last and self.config.tie_word_embeddings)
-        if name.startswith(("model.norm.", "lm_head.")):
-            return span.is_last
-        return True
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
