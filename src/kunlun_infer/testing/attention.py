@@ -24,7 +24,7 @@ up-projection.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -115,6 +115,20 @@ def _check_bytes_per_block(backend: AttentionBackendBase, block_size: int, what:
                                f"{NUM_BLOCKS}; a cache must take the same positive bytes per block")
 
 
+def _steps(backend: AttentionBackendBase, script: _Script, block_size: int,
+           what: str) -> Iterator[tuple[AttentionStep, str]]:
+    """The conformance script's steps, each admitted in the order ``backend.order_batch`` asks for (which must be
+    a permutation): ``(step, label naming it for an error)``."""
+    for number, work in enumerate(_script(block_size), start=1):
+        order = backend.order_batch(*script.admit(work))
+        if order is not None and sorted(order) != list(range(len(work))):
+            raise ConformanceError(f"{what}: order_batch returned {list(order)}, not a permutation of "
+                                   f"{len(work)} sequences")
+        step = script.step(work, order)
+        kinds = ", ".join(f"{kind.value} of {n}" for kind, n in zip(step.kinds, step.query_lens))
+        yield step, f"{what}, step {number} ({kinds})"
+
+
 def check_backend(backend: AttentionBackendBase, spec: AttentionSpec, device: torch.device, *,
                   block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> None:
     """Raise :class:`ConformanceError` when ``backend`` attends differently from the reference backend."""
@@ -132,12 +146,7 @@ def check_backend(backend: AttentionBackendBase, spec: AttentionSpec, device: to
     script = _Script(block_size, NUM_BLOCKS, g, device)
     mine_cache = _zeros(backend, NUM_BLOCKS, block_size, device)
     ref_cache = _zeros(reference, NUM_BLOCKS, block_size, device)
-    for number, work in enumerate(_script(block_size), start=1):
-        order = backend.order_batch(*script.admit(work))
-        if order is not None and sorted(order) != list(range(len(work))):
-            raise ConformanceError(f"{what}: order_batch returned {list(order)}, not a permutation of "
-                                   f"{len(work)} sequences")
-        step = script.step(work, order)
+    for step, label in _steps(backend, script, block_size, what):
         shape = (step.num_tokens, spec.num_heads, spec.head_dim)
         q = torch.randn(shape, generator=g).to(spec.dtype).to(device)
         k, v = (torch.randn(step.num_tokens, spec.num_kv_heads, spec.head_dim, generator=g).to(spec.dtype).to(device)
@@ -149,8 +158,7 @@ def check_backend(backend: AttentionBackendBase, spec: AttentionSpec, device: to
         meta = backend.build_metadata(step)
         backend.store_kv(k.clone(), v.clone(), mine_cache, meta)
         got = backend.attend(q.clone(), k.clone(), v.clone(), mine_cache, meta, scale=scale)
-        kinds = ", ".join(f"{kind.value} of {n}" for kind, n in zip(step.kinds, step.query_lens))
-        assert_matches(got, want, what=f"{what}, step {number} ({kinds})", dtype=spec.dtype, path="attend output")
+        assert_matches(got, want, what=label, dtype=spec.dtype, path="attend output")
 
 
 def check_mla_backend(backend: AttentionBackendBase, spec: AttentionSpec, device: torch.device, *,
@@ -175,12 +183,7 @@ def check_mla_backend(backend: AttentionBackendBase, spec: AttentionSpec, device
 
     kv_up = randn(heads, nope + spec.v_head_dim, rank, std=rank ** -0.5)
     scale = spec.head_dim ** -0.5
-    for number, work in enumerate(_script(block_size), start=1):
-        order = backend.order_batch(*script.admit(work))
-        if order is not None and sorted(order) != list(range(len(work))):
-            raise ConformanceError(f"{what}: order_batch returned {list(order)}, not a permutation of "
-                                   f"{len(work)} sequences")
-        step = script.step(work, order)
+    for step, label in _steps(backend, script, block_size, what):
         t = step.num_tokens
         q_nope, q_rope, latent, k_rope = randn(t, heads, nope), randn(t, heads, rope), randn(t, rank), randn(t, rope)
         ref_meta = reference.build_metadata(step)
@@ -191,9 +194,7 @@ def check_mla_backend(backend: AttentionBackendBase, spec: AttentionSpec, device
         backend.store_latent(latent.clone(), k_rope.clone(), mine_cache, meta)
         got = backend.attend_latent(q_nope.clone(), q_rope.clone(), latent.clone(), k_rope.clone(), mine_cache,
                                     meta, kv_up=kv_up.clone(), scale=scale)
-        kinds = ", ".join(f"{kind.value} of {n}" for kind, n in zip(step.kinds, step.query_lens))
-        assert_matches(got, want, what=f"{what}, step {number} ({kinds})", dtype=spec.dtype,
-                       path="attend_latent output")
+        assert_matches(got, want, what=label, dtype=spec.dtype, path="attend_latent output")
 
 
 def mla_specs(shapes: Iterable[tuple[int, int, int, int, int]], dtype: torch.dtype) -> list[AttentionSpec]:
