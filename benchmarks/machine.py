@@ -1,15 +1,18 @@
-"""What every benchmark prints and stores beside its figures: the machine it ran on.
+"""What every benchmark prints and stores beside its figures: the machine it ran on, and how a figure is timed.
 
 One place for the CPU's model name, the ISA flags that decide the kernels,
 the threads, the kernel set chosen (and why), torch's build and the caps in
-force. The benchmarks import it as a sibling file (``sys.path`` holds this
-folder when a benchmark runs as a script).
+force; and for the best-of-N timing the benchmarks share. They import it as a
+sibling file (``sys.path`` holds this folder when a benchmark runs as a
+script).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,3 +39,15 @@ def describe(machine: dict[str, Any]) -> str:
     """One line for a report: model, ISA flags, threads, kernel set."""
     return (f"{machine['cpu_model']}; ISA {' '.join(machine['isa_flags'])}; {machine['threads']} threads; "
             f"kernel set {machine['kernel_set']}")
+
+
+def best_time(fn: Callable[[], Any], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (seconds), after one untimed call: first-call allocations
+    and page faults are not the work's, and a neighbour's job can only slow a call down."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +41,6 @@ GOAL = 3.0  # times faster than the reference at batch 32
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()  # warm: first-call allocations and page faults are not the op's
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def run_case(dtype: torch.dtype, args: argparse.Namespace) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     e, h, i = args.experts, args.hidden, args.intermediate
@@ -66,8 +55,8 @@ def run_case(dtype: torch.dtype, args: argparse.Namespace) -> list[dict[str, Any
         got = cpu_kernels.fused_moe(x, packed, weights, ids)
         rtol, atol = TOLERANCES[dtype]
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-        t_ref = best_time(lambda: reference.fused_moe(x, (w13, w2), weights, ids), args.repeats)
-        t_cpu = best_time(lambda: cpu_kernels.fused_moe(x, packed, weights, ids), args.repeats)
+        t_ref = machine.best_time(lambda: reference.fused_moe(x, (w13, w2), weights, ids), args.repeats)
+        t_cpu = machine.best_time(lambda: cpu_kernels.fused_moe(x, packed, weights, ids), args.repeats)
         active = len(set(ids.flatten().tolist()))
         weight_bytes = active * 3 * h * i * torch.empty((), dtype=dtype).element_size()
         rows.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch, "active_experts": active,

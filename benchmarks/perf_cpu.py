@@ -169,16 +169,6 @@ def make_requests(num: int, vocab: int, seed: int, prompt_range=(32, 256), outpu
 
 # ---------------------------------------------------------------------- the machine
 
-def _best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure_machine() -> dict[str, float]:
     """fp32 FMA peak (the native probe at the kernel set's vector width), torch's fp32 matmul, read bandwidth."""
     from kunlun_infer.plugins import cpu_native
@@ -195,7 +185,7 @@ def measure_machine() -> dict[str, float]:
             best = min(best, time.perf_counter() - start)
         out["fma_peak_flops"] = flops / best
     x, w = torch.randn(512, 2048), torch.randn(4096, 2048)
-    out["torch_fp32_matmul_flops"] = 2.0 * 512 * 4096 * 2048 / _best_time(lambda: F.linear(x, w), 5)
+    out["torch_fp32_matmul_flops"] = 2.0 * 512 * 4096 * 2048 / machine.best_time(lambda: F.linear(x, w), 5)
     out["read_bytes_per_s"] = read_bandwidth()
     return out
 
@@ -204,7 +194,7 @@ def read_bandwidth() -> float:
     """Bytes per second torch's sum reads from a 1 GiB buffer (best of 10): the host's memory, shared with
     whatever else runs on it, so it is probed again beside every batch-1 measurement and the best kept."""
     buf = torch.ones(256 * 1024 * 1024 // 4, dtype=torch.float32)
-    return buf.numel() * 4 / _best_time(lambda: buf.sum(), 10)
+    return buf.numel() * 4 / machine.best_time(lambda: buf.sum(), 10)
 
 
 def decode_bytes(model: Any) -> int:
@@ -323,8 +313,8 @@ def measure_transformers(folder: Path, shape: Shape, dtype: str, args: argparse.
     prompt = torch.randint(0, shape.vocab, (1, 64), generator=g)
     with torch.inference_mode():
         model.generate(prompt[:, :8], max_new_tokens=2, **kwargs)  # warm
-        one = _best_time(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kwargs), 1)
-        many = _best_time(lambda: model.generate(prompt, max_new_tokens=new + 1, min_new_tokens=new + 1,
+        one = machine.best_time(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kwargs), 1)
+        many = machine.best_time(lambda: model.generate(prompt, max_new_tokens=new + 1, min_new_tokens=new + 1,
                                                  **kwargs), 1)
         entry: dict[str, Any] = {"decode_b1_ms_per_token": 1e3 * (many - one) / new}
         requests = make_requests(8, shape.vocab, args.seed, output_range=args.outputs)
