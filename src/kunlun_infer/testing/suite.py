@@ -58,14 +58,21 @@ def test_memory_out_of_memory(kunlun_runtime):
     check_out_of_memory(kunlun_runtime.memory, kunlun_runtime.device)
 
 
+def _device_for(kunlun_runtime, dtype):
+    """The runtime's device, or the test skipped when the device does not support ``dtype``."""
+    device = kunlun_runtime.device
+    if dtype not in device.supported_dtypes():
+        pytest.skip(f"device '{device.name}' does not support {dtype}")
+    return device
+
+
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("op", list(OP_SPECS))
 def test_op_matches_reference(kunlun_runtime, op, dtype):
-    provider, device = kunlun_runtime.ops, kunlun_runtime.device
+    provider = kunlun_runtime.ops
     if not provider.supports(op):
         pytest.skip(f"ops plugin '{kunlun_runtime.plugin_for('ops')}' does not provide {op}; runs use the reference")
-    if dtype not in device.supported_dtypes():
-        pytest.skip(f"device '{device.name}' does not support {dtype}")
+    device = _device_for(kunlun_runtime, dtype)
     for seed in range(OP_SPECS[op].variants):
         check_op(provider, op, dtype, device.torch_device, seed=seed)
 
@@ -73,9 +80,7 @@ def test_op_matches_reference(kunlun_runtime, op, dtype):
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape", DEFAULT_SHAPES, ids=lambda s: "q{}-kv{}-d{}".format(*s))
 def test_attention_backend_matches_reference(kunlun_runtime, shape, dtype):
-    device = kunlun_runtime.device
-    if dtype not in device.supported_dtypes():
-        pytest.skip(f"device '{device.name}' does not support {dtype}")
+    device = _device_for(kunlun_runtime, dtype)
     spec = AttentionSpec(num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], dtype=dtype)
     backend = kunlun_runtime.ops.attention_backend(spec)
     if backend is None:
@@ -87,9 +92,7 @@ def test_attention_backend_matches_reference(kunlun_runtime, shape, dtype):
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape", DEFAULT_MLA_SHAPES, ids=lambda s: "h{}-nope{}-rope{}-latent{}-v{}".format(*s))
 def test_mla_attention_backend_matches_reference(kunlun_runtime, shape, dtype):
-    device = kunlun_runtime.device
-    if dtype not in device.supported_dtypes():
-        pytest.skip(f"device '{device.name}' does not support {dtype}")
+    device = _device_for(kunlun_runtime, dtype)
     (spec,) = mla_specs([shape], dtype)
     backend = kunlun_runtime.ops.attention_backend(spec)
     if not isinstance(backend, MLAAttentionBackend):
