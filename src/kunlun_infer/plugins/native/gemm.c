@@ -104,15 +104,15 @@ INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w
  * sets of accumulators take turns over K so that 8 or more FMAs are in flight, and are summed at the end.
  */
 INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t k, const float *bias,
-                         void *y, int64_t ldy, int64_t cols, const int ybf16, const int rows, const int phases) {
+                         void *y, int64_t ldy, int64_t cols, const int ybf16, const int rows, const int phases,
+                         const int once) {
     vf acc0[4][MR], acc1[4][MR];
     UNROLL for (int p = 0; p < phases; p++)
         UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vf_zero();
     int64_t q = 0;
     const int64_t step = NR * (wkind == WEIGHT_BF16 ? 2 : 4);  /* bytes of weight per reduction index */
     for (; q + phases <= k; q += phases) {
-        if (VLEN == 8 || wkind == WEIGHT_BF16 || rows > 1)  /* AVX-512 float32 at one row: 4% faster without */
-            prefetch_span((const char *)w + q * step, phases * step);
+        prefetch_span((const char *)w + q * step, phases * step, once);
         UNROLL for (int p = 0; p < phases; p++) {
             vf w0, w1;
             weight_pair(w, wkind, q + p, &w0, &w1);
@@ -148,10 +148,10 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
 
 /* accumulator sets for a block of R rows: at least 8 independent FMAs per reduction step */
 #define PHASES(R) ((R) == 1 ? 4 : (R) <= 3 ? 2 : 1)
-#define ROWS_CASE(R) case R: micro_kernel(a, w, wkind, k, b, yt, n, cols, ybf16, R, PHASES(R)); break;
+#define ROWS_CASE(R) case R: micro_kernel(a, w, wkind, k, b, yt, n, cols, ybf16, R, PHASES(R), once); break;
 
 INLINE void block_of_rows(const float *a, const void *w, const int wkind, int64_t k, const float *b, void *yt,
-                          int64_t n, int64_t cols, const int ybf16, int64_t rows) {
+                          int64_t n, int64_t cols, const int ybf16, int64_t rows, const int once) {
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
 #if MR > 6
@@ -183,7 +183,7 @@ INLINE int gemm(const void *p, const int wkind, const void *x, const int xbf16, 
                 const int64_t r0 = blk * per_block, rows = mc - r0 < per_block ? mc - r0 : per_block;
                 const float *a = packed + blk * k * MR;
                 void *yt = (char *)y + ((m0 + r0) * n + col) * (xbf16 ? 2 : 4);
-                block_of_rows(a, w, wkind, k, b, yt, n, cols, xbf16, rows);
+                block_of_rows(a, w, wkind, k, b, yt, n, cols, xbf16, rows, m <= MR);
             }
         }
     }

@@ -36,7 +36,7 @@ void kunlun_pack_bf16(const uint16_t *w, uint16_t *p, int64_t n, int64_t k) {
 
 static inline __attribute__((always_inline)) void tile_rows(
         const uint16_t *p, const uint16_t *x, int64_t k, const float *bias, uint16_t *y, int64_t ldy,
-        __mmask16 mask0, __mmask16 mask1, const int rows) {
+        __mmask16 mask0, __mmask16 mask1, const int rows, const int once) {
     __m512 acc0[MAX_ROWS], acc1[MAX_ROWS];
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
@@ -47,7 +47,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     const int32_t *x_pairs = (const int32_t *)x;
     const int64_t pairs = k / 2;
     for (int64_t q = 0; q < pairs; q++) {
-        prefetch_span(p + q * 2 * TILE_N, 4 * TILE_N);
+        prefetch_span(p + q * 2 * TILE_N, 4 * TILE_N, once);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + q * 2 * TILE_N);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(p + q * 2 * TILE_N + 32);
         for (int r = 0; r < rows; r++) {
@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-#define ROWS_CASE(R) case R: tile_rows(pt, xr, k, bt, yr, n, mask0, mask1, R); break;
+#define ROWS_CASE(R) case R: tile_rows(pt, xr, k, bt, yr, n, mask0, mask1, R, m <= MAX_ROWS); break;
 
 /* Y [M, N] bf16 = X [M, K] bf16 @ W^T + bias (float32 [N] or NULL), W packed by kunlun_pack_bf16. Returns 0. */
 int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y,

@@ -138,13 +138,13 @@ static void quantize_rows(const void *x, const int xbf16, int64_t rows, int64_t 
 
 INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, const float *sx, const float *sw,
                          const int32_t *offsets, const float *bias, void *y, int64_t ldy, int64_t cols,
-                         const int ybf16, const int rows, const int phases) {
+                         const int ybf16, const int rows, const int phases, const int once) {
     vi acc0[4][MR], acc1[4][MR];
     UNROLL for (int p = 0; p < phases; p++)
         UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vi_zero();
     int64_t g = 0;
     for (; g + phases <= groups; g += phases) {
-        prefetch_span(w + g * NR * 4, phases * NR * 4);
+        prefetch_span(w + g * NR * 4, phases * NR * 4, once);
         UNROLL for (int p = 0; p < phases; p++) {
             const vi w0 = vi_load(w + (g + p) * NR * 4), w1 = vi_load(w + (g + p) * NR * 4 + VLEN * 4);
             UNROLL for (int r = 0; r < rows; r++) {
@@ -187,11 +187,11 @@ INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, con
 /* accumulator sets for a block of R rows: enough dot products in flight to cover their latency */
 #define PHASES(R) (!VNNI ? 1 : (R) == 1 ? 4 : (R) <= 3 ? 2 : 1)
 #define ROWS_CASE(R) \
-    case R: micro_kernel(a, w, groups, sx, sw, offsets, b, yt, n, cols, ybf16, R, PHASES(R)); break;
+    case R: micro_kernel(a, w, groups, sx, sw, offsets, b, yt, n, cols, ybf16, R, PHASES(R), once); break;
 
 INLINE void block_of_rows(const uint32_t *a, const int8_t *w, int64_t groups, const float *sx, const float *sw,
                           const int32_t *offsets, const float *b, void *yt, int64_t n, int64_t cols,
-                          const int ybf16, int64_t rows) {
+                          const int ybf16, int64_t rows, const int once) {
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
 #if MR > 4
@@ -230,7 +230,7 @@ INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const floa
                 const int64_t r0 = blk * per_block, rows = mc - r0 < per_block ? mc - r0 : per_block;
                 void *yt = (char *)y + ((m0 + r0) * n + col) * (xbf16 ? 2 : 4);
                 block_of_rows(packed + blk * groups * MR, w, groups, sx + r0, scales + col, offsets + col, b, yt, n,
-                              cols, xbf16, rows);
+                              cols, xbf16, rows, m <= MR);
             }
         }
     }
