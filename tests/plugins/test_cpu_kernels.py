@@ -321,6 +321,37 @@ def test_fused_rotary_refuses_a_position_outside_the_table_as_the_reference_does
         cpu_kernels.rotary_embedding(positions, q, k, cache)
 
 
+def _store_inputs(dtype, tokens, hk=2, d=16, num_blocks=8, block_size=4):
+    """Keys and values as slices of one projection (tokens strided), slots in random order with padding."""
+    g = torch.Generator().manual_seed(tokens)
+    kv = torch.randn(tokens, 3 * hk * d, generator=g).to(dtype)
+    key, value = kv[:, hk * d:2 * hk * d].view(tokens, hk, d), kv[:, 2 * hk * d:].view(tokens, hk, d)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[::3] = -1  # padding tokens: not stored
+    k_cache = torch.zeros(num_blocks, block_size, hk, d, dtype=dtype)
+    return key, value, k_cache, torch.zeros_like(k_cache), slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 7, 32])
+def test_native_store_kv_writes_what_the_reference_writes(native_kernel_set, dtype, tokens, monkeypatch):
+    key, value, k_cache, v_cache, slots = _store_inputs(dtype, tokens)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, want_k, want_v, slots)
+    monkeypatch.setattr(reference, "store_kv", lambda *a: pytest.fail("the native store fell back"))
+    cpu_kernels.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert int((k_cache.flatten(0, 1).abs().sum((1, 2)) > 0).sum()) == int((slots >= 0).sum())
+
+
+def test_native_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing(native_kernel_set):
+    key, value, k_cache, v_cache, slots = _store_inputs(torch.float32, 6)
+    slots[4] = k_cache.shape[0] * k_cache.shape[1]
+    with pytest.raises((IndexError, RuntimeError)):
+        cpu_kernels.store_kv(key, value, k_cache, v_cache, slots)
+    assert not k_cache.any() and not v_cache.any()
+
+
 # ---------------------------------------------------------------------- building the native kernels
 
 def test_without_a_compiler_or_when_the_build_fails_torch_serves_and_says_why(monkeypatch, tmp_path):

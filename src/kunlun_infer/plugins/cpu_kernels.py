@@ -16,10 +16,10 @@ Where the time of a CPU step goes, and what each kernel does about it:
   byte multiply-adds elsewhere), activations quantized per row in the call.
 - ``paged_attention`` — :mod:`kunlun_infer.plugins.cpu_attention`: decode
   reads K/V in place through the block tables, prompts run through SDPA.
-- ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_embedding`` —
-  one C call each (``native/elementwise.c``) instead of five to fifteen
-  torch ops, with the reference's roundings; plain torch where the native
-  library is missing or the layout does not fit.
+- ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_embedding``,
+  ``store_kv`` — one C call each (``native/elementwise.c``) instead of two
+  to fifteen torch ops, with the reference's roundings; plain torch where
+  the native library is missing or the layout does not fit.
 - ``fused_moe`` (mixture-of-experts layers) — :mod:`kunlun_infer.plugins.cpu_moe`:
   the (token, expert) pairs sorted by expert once, then two GEMMs per expert
   that any token chose, on each expert's weights packed like ``linear``'s.
@@ -194,6 +194,29 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q_out, k_out
 
 
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """The step's keys and values into their cache slots in one C call (the reference takes a mask, a
+    host sync and two index copies per layer); same contract as the reference."""
+    lib = cpu_native.library()
+    k_stride, v_stride = _token_stride(key), _token_stride(value)
+    if (lib is None or k_stride is None or v_stride is None or key.dtype != k_cache.dtype
+            or value.dtype != key.dtype or v_cache.dtype != key.dtype or key.shape != value.shape
+            or k_cache.shape != v_cache.shape or key.shape[1:] != k_cache.shape[2:]
+            or any(t.device.type != "cpu" for t in (key, value, k_cache, v_cache, slot_mapping))
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous() or slot_mapping.numel() != key.shape[0]):
+        return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    size, slots = key.element_size(), k_cache.shape[0] * k_cache.shape[1]
+    status = lib.kunlun_store_kv(key.data_ptr(), k_stride * size, value.data_ptr(), v_stride * size,
+                                 k_cache.data_ptr(), v_cache.data_ptr(), slots, slot_mapping.data_ptr(), key.shape[0],
+                                 key.shape[1] * key.shape[2] * size)
+    if status != 0:
+        raise IndexError(f"store_kv: slot {int(slot_mapping.max())} is past the KV caches' {slots} slots "
+                         f"(nothing was stored)")
+    return None
+
+
 # ---------------------------------------------------------------------- structured output
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
@@ -215,7 +238,7 @@ def kernels() -> dict[str, Any]:
     """The ``cpu`` op table: the tuned kernels above, the references for the rest."""
     table = {name: spec.reference for name, spec in OP_SPECS.items()}
     table.update(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul,
-                 rotary_embedding=rotary_embedding, paged_attention=paged_attention,
+                 rotary_embedding=rotary_embedding, store_kv=store_kv, paged_attention=paged_attention,
                  pack_linear_weight=pack_linear_weight, linear=linear, apply_token_bitmask=apply_token_bitmask,
                  pack_int8_linear_weight=pack_int8_linear_weight, int8_linear=int8_linear,
                  pack_moe_weights=pack_moe_weights, fused_moe=fused_moe)

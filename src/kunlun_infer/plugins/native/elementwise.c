@@ -1,5 +1,5 @@
 /*
- * The small per-layer ops in one pass each: RMSNorm (with the residual add), SwiGLU, rotary.
+ * The small per-layer ops in one pass each: RMSNorm (with the residual add), SwiGLU, rotary, the KV store.
  *
  * Built for every kernel set by cpu_native.py (vectors of simd.h). Each kernel reproduces its plain-torch
  * reference's roundings: in bf16 every intermediate the reference materialises in bf16 is rounded to bf16
@@ -8,6 +8,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -113,6 +114,24 @@ int kunlun_rotary(const int64_t *positions, const void *q, int64_t q_stride, con
             rotate_heads(q, q_stride, q_out, t, hq, d, cs, 0);
             rotate_heads(k, k_stride, k_out, t, hk, d, cs, 0);
         }
+    }
+    return 0;
+}
+
+/*
+ * store_kv: token t's key row (`row_bytes` bytes at key + t * key_stride bytes) and value row go to row
+ * slots[t] of the caches (`cache_rows` rows of `row_bytes`), negative slots skipped. Every slot is checked
+ * first: -1 (nothing written) if one is past the caches, else 0.
+ */
+int kunlun_store_kv(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
+                    char *v_cache, int64_t cache_rows, const int64_t *slots, int64_t tokens, int64_t row_bytes) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] >= cache_rows) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row_bytes, key + t * key_stride, (size_t)row_bytes);
+        memcpy(v_cache + slot * row_bytes, value + t * value_stride, (size_t)row_bytes);
     }
     return 0;
 }
