@@ -45,13 +45,14 @@ FOR_DTYPE = {"bfloat16": ("llama.cpp bf16", "vllm bfloat16"), "float32": ("llama
 # ---------------------------------------------------------------------- host side (kunlun_infer's Python)
 
 def job(folder: Path, threads: int, new_tokens: int, b1_prompts: list[list[int]], prefill_prompts: list[list[int]],
-        requests: dict[str, dict[str, list]], b1_repeats: int) -> dict[str, Any]:
+        requests: dict[str, dict[str, list]], b1_repeats: int, serve_repeats: int) -> dict[str, Any]:
     """What every peer measures: decode from fresh prompts (a warm-up, then two per repeat), prefill, and the
-    request sets."""
+    request sets (each served ``serve_repeats`` times, the best kept)."""
     if len(b1_prompts) < 1 + 2 * b1_repeats:
         raise ValueError(f"{b1_repeats} batch-1 repeats need {1 + 2 * b1_repeats} prompts, not {len(b1_prompts)}")
     return {"folder": str(folder), "threads": threads, "new_tokens": new_tokens, "b1_prompts": b1_prompts,
-            "b1_repeats": b1_repeats, "prefill_prompts": prefill_prompts, "requests": requests}
+            "b1_repeats": b1_repeats, "prefill_prompts": prefill_prompts, "requests": requests,
+            "serve_repeats": serve_repeats}
 
 
 def measure(python: str, engine: str, work: dict[str, Any], timeout: float = 7200) -> dict[str, Any]:
@@ -176,6 +177,17 @@ def b1_ms_per_token(timed: Any, work: dict[str, Any]) -> float:
     return best
 
 
+def served(serve: Any, work: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each request set of ``work`` through ``serve(requests)`` (seconds), the best of ``serve_repeats``: useful
+    output tokens per second."""
+    result = {}
+    for key, reqs in work["requests"].items():
+        seconds = min(serve(reqs) for _ in range(work["serve_repeats"]))
+        useful = sum(reqs["output_lens"])
+        result[key] = {"seconds": seconds, "useful_tokens": useful, "tokens_per_s": useful / seconds}
+    return result
+
+
 def _llama_generate(llm: Any, prompt: list[int], count: int) -> list[int]:
     """Exactly ``count`` greedy tokens after ``prompt`` (end-of-text ignored: this file has no vocabulary)."""
     out = []
@@ -209,14 +221,14 @@ def run_llama_cpp(weights: str, work: dict[str, Any]) -> dict[str, Any]:
                               "prefill_256_tok_s": len(work["prefill_prompts"][0]) / best,
                               "serving": "one request at a time", "version": llama_cpp.__version__,
                               "weights": weights}
-    for key, reqs in work["requests"].items():
+    def serve(reqs: dict[str, list]) -> float:
         start = time.perf_counter()
         for prompt, count in zip(reqs["prompts"], reqs["output_lens"]):
             got = _llama_generate(llm, prompt, count)
             assert len(got) == count
-        seconds = time.perf_counter() - start
-        useful = sum(reqs["output_lens"])
-        result[key] = {"seconds": seconds, "useful_tokens": useful, "tokens_per_s": useful / seconds}
+        return time.perf_counter() - start
+
+    result.update(served(serve, work))
     return result
 
 
@@ -245,10 +257,7 @@ def run_vllm(dtype: str, work: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"decode_b1_ms_per_token": b1,
                               "prefill_256_tok_s": len(work["prefill_prompts"][0]) / best,
                               "serving": "continuous batching", "version": vllm.__version__, "weights": dtype}
-    for key, reqs in work["requests"].items():
-        seconds = run(reqs["prompts"], reqs["output_lens"])
-        useful = sum(reqs["output_lens"])
-        result[key] = {"seconds": seconds, "useful_tokens": useful, "tokens_per_s": useful / seconds}
+    result.update(served(lambda reqs: run(reqs["prompts"], reqs["output_lens"]), work))
     return result
 
 

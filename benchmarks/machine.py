@@ -41,10 +41,12 @@ def describe(machine: dict[str, Any]) -> str:
             f"kernel set {machine['kernel_set']}")
 
 
-def best_time(fn: Callable[[], Any], repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn`` (seconds), after one untimed call: first-call allocations
-    and page faults are not the work's, and a neighbour's job can only slow a call down."""
-    fn()
+def best_time(fn: Callable[[], Any], repeats: int, warm: bool = True) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (seconds), after one untimed call unless ``warm`` is false
+    (the caller has run that work already): first-call allocations and page faults are not the work's, and a
+    neighbour's job can only slow a call down."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
