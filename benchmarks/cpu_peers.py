@@ -45,14 +45,15 @@ FOR_DTYPE = {"bfloat16": ("llama.cpp bf16", "vllm bfloat16"), "float32": ("llama
 # ---------------------------------------------------------------------- host side (kunlun_infer's Python)
 
 def job(folder: Path, threads: int, new_tokens: int, b1_prompts: list[list[int]], prefill_prompts: list[list[int]],
-        requests: dict[str, dict[str, list]], b1_repeats: int, serve_repeats: int) -> dict[str, Any]:
+        requests: dict[str, dict[str, list]], b1_repeats: int, serve_repeats: int, only_b1: bool = False
+        ) -> dict[str, Any]:
     """What every peer measures: decode from fresh prompts (a warm-up, then two per repeat), prefill, and the
-    request sets (each served ``serve_repeats`` times, the best kept)."""
+    request sets (each served ``serve_repeats`` times, the best kept); ``only_b1``: the decode alone."""
     if len(b1_prompts) < 1 + 2 * b1_repeats:
         raise ValueError(f"{b1_repeats} batch-1 repeats need {1 + 2 * b1_repeats} prompts, not {len(b1_prompts)}")
     return {"folder": str(folder), "threads": threads, "new_tokens": new_tokens, "b1_prompts": b1_prompts,
             "b1_repeats": b1_repeats, "prefill_prompts": prefill_prompts, "requests": requests,
-            "serve_repeats": serve_repeats}
+            "serve_repeats": serve_repeats, "only_b1": only_b1}
 
 
 def measure(python: str, engine: str, work: dict[str, Any], timeout: float = 7200) -> dict[str, Any]:
@@ -212,6 +213,8 @@ def run_llama_cpp(weights: str, work: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter() - start
 
     b1 = b1_ms_per_token(timed, work)
+    if work["only_b1"]:
+        return {"decode_b1_ms_per_token": b1}
     best = float("inf")
     for prompt in work["prefill_prompts"]:
         start = time.perf_counter()
@@ -253,6 +256,8 @@ def run_vllm(dtype: str, work: dict[str, Any]) -> dict[str, Any]:
 
     run([work["b1_prompts"][0]], [2])  # warm
     b1 = b1_ms_per_token(lambda prompt, count: run([prompt], [count]), work)
+    if work["only_b1"]:
+        return {"decode_b1_ms_per_token": b1}
     best = min(run([p], [1]) for p in work["prefill_prompts"])
     result: dict[str, Any] = {"decode_b1_ms_per_token": b1,
                               "prefill_256_tok_s": len(work["prefill_prompts"][0]) / best,

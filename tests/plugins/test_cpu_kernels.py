@@ -352,6 +352,14 @@ def test_native_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing(native
     assert not k_cache.any() and not v_cache.any()
 
 
+@pytest.mark.parametrize("n", [1, 63, 64 * 1024 + 5])
+def test_read_probe_reads_every_value(native_kernel_set, n):
+    """The benchmarks' bandwidth probe sums all it is given (a probe that skipped bytes would overstate it)."""
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64).float()
+    got = cpu_native.library().kunlun_read_probe(x.data_ptr(), n)
+    assert got == pytest.approx(float(x.double().sum()), rel=1e-5)
+
+
 # ---------------------------------------------------------------------- building the native kernels
 
 def test_without_a_compiler_or_when_the_build_fails_torch_serves_and_says_why(monkeypatch, tmp_path):

@@ -74,6 +74,7 @@ SIGNATURES = {
     "kunlun_pack_f32": ([_P, _P, _I64, _I64], None),
     "kunlun_gemm_f32": ([_P, _P, _P, _P, _I64, _I64, _I64], ctypes.c_int),
     "kunlun_fma_probe": ([_I64], ctypes.c_double),
+    "kunlun_read_probe": ([_P, _I64], ctypes.c_double),
     "kunlun_int8_packed_bytes": ([_I64, _I64], _I64),
     "kunlun_pack_int8": ([_P, _P, _P, _I64, _I64], None),
     "kunlun_gemm_int8": ([_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),

@@ -206,6 +206,32 @@ int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, ui
 #endif
 
 /*
+ * Memory read bandwidth: the threads sum n float32 values from p in shares of one stream each (four vector
+ * accumulators). Returns the sum (so nothing is optimised away) - time it to get bytes per second. The same
+ * probe serves every engine a benchmark compares (it takes any buffer, numpy's too), so their times can be
+ * set beside the bandwidth the shared host had at that moment.
+ */
+double kunlun_read_probe(const float *p, int64_t n) {
+    double total = 0.0;
+    #pragma omp parallel reduction(+ : total)
+    {
+        vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();
+        const int64_t vectors = n / (4 * VLEN);
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < vectors; i++) {
+            const float *q = p + i * 4 * VLEN;
+            a0 = vf_add(a0, vf_loadu(q));
+            a1 = vf_add(a1, vf_loadu(q + VLEN));
+            a2 = vf_add(a2, vf_loadu(q + 2 * VLEN));
+            a3 = vf_add(a3, vf_loadu(q + 3 * VLEN));
+        }
+        total = vf_sum(vf_add(vf_add(a0, a1), vf_add(a2, a3)));
+    }
+    for (int64_t i = n / (4 * VLEN) * 4 * VLEN; i < n; i++) total += p[i];
+    return total;
+}
+
+/*
  * The FMA units at full speed: every thread runs `iterations` rounds of 12 independent vector FMAs.
  * Returns the floating-point operations done (2 per lane per FMA) — time it to get the peak FLOP/s.
  */
