@@ -187,11 +187,13 @@ def test_killing_a_replica_mid_run_loses_no_request_and_it_comes_back(fleet, ser
     async def run() -> list[str | Exception]:
         task = asyncio.gather(stream_all(server.url, prompts, 48, ignore_eos=True),
                               complete_all(server.url, whole, 48, ignore_eos=True))
-        def generated() -> int:
-            return next(r for r in fleet.replicas() if r["name"] == "simchip")["stats"].get("num_generated_tokens", 0)
+        def simchip() -> dict:
+            return next(r for r in fleet.replicas() if r["name"] == "simchip")
 
-        start, deadline = generated(), time.monotonic() + 60
-        while generated() < start + 32:  # its running requests streamed a token or two
+        start, deadline = simchip()["stats"].get("num_generated_tokens", 0), time.monotonic() + 60
+        # its running requests streamed a token or two, and it holds requests now (its stats may lag: a count
+        # that only caught up with an earlier test's tokens would have it killed before it got any)
+        while (state := simchip())["stats"].get("num_generated_tokens", 0) < start + 32 or not state["in_flight"]:
             assert time.monotonic() < deadline and not task.done()
             await asyncio.sleep(0.01)
         os.kill(victim["pid"], signal.SIGKILL)  # mid-run: some of its requests streamed, some still queue
