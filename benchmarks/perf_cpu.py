@@ -199,8 +199,7 @@ def measure_machine() -> dict[str, float]:
 def read_bandwidth() -> float:
     """Bytes per second the native read probe (``kunlun_read_probe``: every thread sums its share of one stream)
     takes from a 1 GiB buffer of random values (best of 10); torch's sum without native kernels. The host's
-    memory is shared with whatever else runs on it, so it is probed again beside every batch-1 measurement, the
-    peers' too, with the same probe."""
+    memory is shared with whatever else runs on it, so it is probed again beside every batch-1 measurement."""
     from kunlun_infer.plugins import cpu_native
 
     buf = torch.rand(PROBE_BYTES // 4)  # random: pages of equal contents could be merged by the host

@@ -207,9 +207,8 @@ int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, ui
 
 /*
  * Memory read bandwidth: the threads sum n float32 values from p in shares of one stream each (four vector
- * accumulators). Returns the sum (so nothing is optimised away) - time it to get bytes per second. The same
- * probe serves every engine a benchmark compares (it takes any buffer, numpy's too), so their times can be
- * set beside the bandwidth the shared host had at that moment.
+ * accumulators). Returns the sum (so nothing is optimised away) - time it to get bytes per second, as
+ * benchmarks/perf_cpu.py does beside every batch-1 measurement.
  */
 double kunlun_read_probe(const float *p, int64_t n) {
     double total = 0.0;
