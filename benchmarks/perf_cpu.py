@@ -294,10 +294,15 @@ def prefill_rate(llm: Any, length: int, vocab: int, repeats: int) -> float:
     return length / best
 
 
+def decode_tokens(args: argparse.Namespace) -> int:
+    """Tokens each timed batch-1 decode run generates after its prefill (every engine alike)."""
+    return 16 if args.quick else 32
+
+
 def measure_kunlun(folder: Path, shape: Shape, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     import kunlun_infer as ki
 
-    new = 16 if args.quick else 32
+    new = decode_tokens(args)
     with open_engine(folder, dtype, args.overrides) as llm:
         llm.generate([[1, 2, 3, 4]], ki.SamplingParams(max_tokens=2), use_tqdm=False)  # warm: kernels built
         # the best of B1_REPEATS (batch 8 alike), each beside a probe of the memory bandwidth (the host's: it varies)
@@ -326,7 +331,7 @@ def measure_transformers(folder: Path, shape: Shape, dtype: str, args: argparse.
     torch_dtype = getattr(torch, dtype)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    new = 16 if args.quick else 32
+    new = decode_tokens(args)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, shape.vocab, (1, 64), generator=g)
     with torch.inference_mode():
@@ -358,7 +363,7 @@ def measure_peers(folder: Path, shape: Shape, args: argparse.Namespace) -> dict[
         return {}
     g = torch.Generator().manual_seed(1)
     work = cpu_peers.job(
-        folder, args.threads or torch.get_num_threads(), 16 if args.quick else 32,
+        folder, args.threads or torch.get_num_threads(), decode_tokens(args),
         b1_prompts=[torch.randint(0, shape.vocab, (64,), generator=g).tolist() for _ in range(1 + 2 * B1_REPEATS)],
         prefill_prompts=[torch.randint(0, shape.vocab, (256,), generator=g).tolist() for _ in range(2)],
         requests={f"req{n}": dataclasses.asdict(make_requests(n, shape.vocab, args.seed, output_range=args.outputs))
@@ -384,7 +389,7 @@ def one_b1(args: argparse.Namespace) -> float:
     shape = SHAPES[args.model]
     with open_engine(args.model_dir / args.model, args.b1_only, args.overrides) as llm:
         llm.generate([[1, 2, 3, 4]], ki.SamplingParams(max_tokens=2), use_tqdm=False)  # warm: kernels built
-        return 1e3 * decode_steps(llm, 1, DECODE_PROMPT, (16 if args.quick else 32) + 1, shape.vocab,
+        return 1e3 * decode_steps(llm, 1, DECODE_PROMPT, decode_tokens(args) + 1, shape.vocab,
                                   seed=1000 + args.seed)
 
 
@@ -400,21 +405,14 @@ def paired_b1(args: argparse.Namespace, shape: Shape, peers: dict[str, Any], chi
         g = torch.Generator().manual_seed(2)
         ours, theirs = [], []
         for _ in range(B1_REPEATS):
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-                path = Path(tmp.name)
-            try:
-                subprocess.run([sys.executable, __file__, *child, "--b1-only", dtype, "--out", str(path), "--",
-                                *args.overrides], env=env, check=True)
-                ours.append(json.loads(path.read_text())["decode_b1_ms_per_token"])
-            finally:
-                path.unlink(missing_ok=True)
+            ours.append(run_child([*child, "--b1-only", dtype], args.overrides, env)["decode_b1_ms_per_token"])
             work = cpu_peers.job(args.model_dir / args.model, args.threads or torch.get_num_threads(),
-                                 16 if args.quick else 32,
+                                 decode_tokens(args),
                                  b1_prompts=[torch.randint(0, shape.vocab, (DECODE_PROMPT,), generator=g).tolist()
                                              for _ in range(3)],
                                  prefill_prompts=[], requests={}, b1_repeats=1, serve_repeats=1, only_b1=True)
-            python = args.llama_cpp_python
-            theirs.append(cpu_peers.measure(python, engine, work).get("decode_b1_ms_per_token", float("nan")))
+            theirs.append(cpu_peers.measure(args.llama_cpp_python, engine, work).get("decode_b1_ms_per_token",
+                                                                                    float("nan")))
         out[dtype] = {"peer": engine, "ours_ms": ours, "theirs_ms": theirs}
         print(f"[paired b1] {dtype} {[round(t, 1) for t in ours]} ms vs {engine} {[round(t, 1) for t in theirs]} ms",
               flush=True)
@@ -622,7 +620,6 @@ def target_lines(result: dict[str, Any]) -> list[str]:
         if "decode_b1_ms_repeats" in fp32:  # the host's bandwidth swings: each repeat beside its own probe too
             beside = min(ms * probe for ms, probe in zip(fp32["decode_b1_ms_repeats"], fp32["read_bytes_per_s_probes"]))
             lines[-1] += f" (the run's best probe); beside its own probe: {beside / (1e3 * fp32['decode_bytes']):.2f}"
-
     peers = {name: e for name, e in result.get("peers", {}).items() if "error" not in e}
     llama_bf16, llama_q8 = peers.get("llama.cpp bf16"), peers.get("llama.cpp q8_0")
     if bf16 and llama_bf16:
@@ -634,7 +631,6 @@ def target_lines(result: dict[str, Any]) -> list[str]:
     if int8 and llama_q8:
         b1_versus(lines, check, result, "int8", llama_q8, int8, "int8 b1 decode, llama.cpp q8_0's time / ours",
                   TARGETS["b1_int8_vs_llama_cpp_q8_0"])
-
     best32 = max((e.get("req32_of_fp32_bound", 0) for e in k.values()), default=0)
     if best32:
         check("32 requests, best dtype, of the fp32-peak bound", best32, TARGETS["req32_of_fp32_bound"], True, ".0%")
@@ -705,6 +701,17 @@ def _caps(args: argparse.Namespace) -> list[str]:
     return ["native"] + (["avx2"] if native is not None and native.name != "avx2" else [])
 
 
+def run_child(argv: list[str], overrides: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """This script run with ``argv`` (a ``--child`` mode) under ``env``: the JSON it writes to ``--out``."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        path = Path(tmp.name)
+    try:
+        subprocess.run([sys.executable, __file__, *argv, "--out", str(path), "--", *overrides], env=env, check=True)
+        return json.loads(path.read_text())
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child is not None and args.b1_only:  # one batch-1 repeat of one dtype, for the interleaved pairs
@@ -729,14 +736,7 @@ def main(argv: list[str] | None = None) -> None:
                    *(["--threads", str(args.threads)] if args.threads else [])]
     for cap in caps:
         env = {**os.environ, "KUNLUN_INFER_CPU_ISA": cap, **TORCH_CAPS.get(cap, {})}
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-            path = Path(tmp.name)
-        try:
-            subprocess.run([sys.executable, __file__, *passthrough, "--child", cap, "--out", str(path), "--",
-                            *args.overrides], env=env, check=True)
-            child = json.loads(path.read_text())
-        finally:
-            path.unlink(missing_ok=True)
+        child = run_child([*passthrough, "--child", cap], args.overrides, env)
         combined["kernel_sets"][child["machine"]["kernel_set"]] = child
         if cap == args.peers_isa:
             child["peers"] = combined["peers"] = measure_peers(args.model_dir / args.model, shape, args)
