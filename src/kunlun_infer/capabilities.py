@@ -181,6 +181,20 @@ class OpsProvider(abc.ABC):
         """
         return None
 
+    def capture(self, fn: Callable[[], Any]) -> CapturedStep | None:
+        """``fn`` run once and captured, so that :meth:`CapturedStep.replay` repeats its kernels; ``None``: not here.
+
+        ``fn`` is one forward of the model's layers over buffers that stay
+        put: the engine's input buffers (hidden states, positions, the
+        attention metadata of :meth:`AttentionBackendBase.update_metadata`),
+        the weights and the KV cache. Between replays the engine writes new
+        contents into those buffers; a replay must read them, and rewrite the
+        tensors of ``CapturedStep.result`` in place. Return ``None`` when ``fn``
+        does work a replay would not repeat (the default: this provider does
+        not capture; every step then runs eagerly). Added in 1.5.
+        """
+        return None
+
 
 class DictOpsProvider(OpsProvider):
     """An ops provider backed by a ``{name: kernel}`` mapping."""
@@ -194,6 +208,21 @@ class DictOpsProvider(OpsProvider):
 
     def get(self, op: str) -> Callable[..., Any]:
         return self._kernels[op]
+
+
+class CapturedStep(abc.ABC):
+    """What :meth:`OpsProvider.capture` returns: the region's outputs and a way to run it again (hook API 1.5)."""
+
+    #: the value ``fn`` returned at capture; every replay rewrites its tensors in place
+    result: Any
+
+    @abc.abstractmethod
+    def replay(self) -> Any:
+        """Launch the captured kernels again on the current contents of the inputs; returns :attr:`result`.
+
+        Raise when a kernel reports a failure: the engine then runs the step
+        eagerly, which reports the kernel's own error.
+        """
 
 
 # --------------------------------------------------------------------------- comm

@@ -62,6 +62,9 @@ class OpsConfig:
 
     name: str = MISSING
     strict: bool = False
+    #: decode steps of up to this many sequences run once per batch size under the ops plugin's capture and are
+    #: replayed after that (hook API 1.5; the ``cpu`` option captures, ``torch`` does not); 0 = every step eager
+    step_graphs: int = ranged(64, ">= 0", _at_least(0))
 
 
 @dataclasses.dataclass

@@ -134,6 +134,17 @@ Changes
     ranks owning their experts with it): ``Comm`` provides a default built
     on ``all_gather``, so a comm plugin written before 1.4 serves
     ``parallel.expert_size`` unchanged, moving more data than a native one.
+    1.5 — captured decode steps. ``OpsProvider.capture(fn)`` may run ``fn``
+    (one forward of the model's layers on fixed buffers) once and return a
+    :class:`~kunlun_infer.capabilities.CapturedStep` whose ``replay()``
+    repeats its kernel launches on those buffers without the Python that
+    made them (a device graph; the ``cpu`` option records its native
+    kernels). ``AttentionBackendBase.update_metadata(static, step)`` writes a
+    later step's metadata into the buffers of one built for capture, and says
+    whether it could. The engine uses them for decode-only steps of one
+    rank, once per batch size (``ops.step_graphs``). Both default to "no"
+    (``None`` / ``False``), so a 1.4 plugin loads and runs unchanged, every
+    step eager.
 """
 
 from __future__ import annotations
@@ -151,7 +162,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 #: pluggy project name and entry-point group
 PROJECT_NAME = "kunlun_infer"
 #: version of this contract, ``(major, minor)``
-HOOK_API_VERSION: tuple[int, int] = (1, 4)
+HOOK_API_VERSION: tuple[int, int] = (1, 5)
 HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

@@ -35,6 +35,7 @@ from kunlun_infer.engine.kv_cache import KVCaches, KVLayout, allocate_kv_caches,
 from kunlun_infer.engine.prompt_logprobs import (PromptSpan, ScoredPrompt, gather_prompt_logprobs, prompt_spans,
                                                 span_indices)
 from kunlun_infer.engine.sampler import Sampler
+from kunlun_infer.engine.step_graph import StepGraphs
 from kunlun_infer.engine.scheduler import ScheduledBatch
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.engine.rejection import verify
@@ -141,6 +142,8 @@ class ModelRunner:
         self.attention = model.attention
         self.layout = KVLayout(model.num_layers, block_size, self.attention)
         self._kv_caches: KVCaches = []
+        #: decode steps replayed from captures (``engine/step_graph.py``); ``None``: every step eager
+        self.graphs: StepGraphs | None = None
 
     # ------------------------------------------------------------------ the KV cache
 
@@ -157,6 +160,8 @@ class ModelRunner:
 
     def release_kv_cache(self) -> None:
         """Give this process's cache back to the memory plugin (nothing is sent to other ranks)."""
+        if self.graphs is not None:
+            self.graphs.clear()  # their buffers point into this cache
         free_kv_caches(self.memory, self._kv_caches)
 
     # ------------------------------------------------------------------ steps
@@ -242,6 +247,10 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         """The model's forward over this rank's layers (a pipeline stage's, given the stage before's output)."""
+        if intermediate is None and self.graphs is not None:
+            hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.attn, self._kv_caches)
+            if hidden is not None:
+                return hidden
         metadata = self.attention.build_metadata(inputs.attn)
         return self.model(inputs.input_ids, inputs.positions, metadata, self._kv_caches, intermediate)
 

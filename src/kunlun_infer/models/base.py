@@ -140,6 +140,16 @@ class CausalLM(nn.Module):
         """``[N, hidden]`` → ``[N, vocab]`` float32 (full vocabulary on every rank)."""
         raise NotImplementedError
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids → ``[T, hidden]``: what :meth:`forward` starts from on the first stage.
+
+        ``forward(ids, positions, attn, kv_caches, (embed(ids), None))`` then
+        equals ``forward(ids, positions, attn, kv_caches)``; captured decode
+        steps (``engine/step_graph.py``) run the embedding this way, outside
+        the capture.
+        """
+        raise NotImplementedError
+
     def checkpoint_tensors(self) -> dict[str, tuple[nn.Module, WeightSpec]]:
         """Every checkpoint tensor this rank reads: HF name -> (layer that loads it, what it is)."""
         merged = {target: name for name, target in self.packed_modules.items()}
@@ -246,3 +256,9 @@ class StagedCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.model.embed_tokens is None:
+            raise ValueError(f"layers {self.span.start}-{self.span.end - 1} are not the first pipeline stage: "
+                             f"they have no token embedding")
+        return self.model.embed_tokens(input_ids)

@@ -164,6 +164,19 @@ class AttentionBackendBase(abc.ABC):
         backend's store and attend calls.
         """
 
+    def update_metadata(self, static: Any, step: AttentionStep) -> bool:
+        """Write the metadata of decode-only ``step`` into ``static``'s buffers, in place, for a captured replay.
+
+        ``static`` was built by :meth:`build_metadata` for a decode-only step
+        of as many sequences, whose block tables were padded to the widest a
+        sequence can have; the captured store and attend calls read its
+        buffers again on every replay. Return ``True`` when ``static`` now
+        describes ``step`` exactly as far as those calls can tell: nothing
+        they decided from host values at capture may differ. ``False`` (the
+        default) means this backend's steps are not captured. Added in 1.5.
+        """
+        return False
+
 
 class AttentionBackend(AttentionBackendBase):
     """A paged-attention implementation of :data:`MHA` attention: cache layout, per-step metadata, store and attend.

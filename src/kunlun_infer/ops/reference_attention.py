@@ -76,6 +76,21 @@ class ReferenceAttentionBackend(AttentionBackend):
     def build_metadata(self, step: AttentionStep) -> AttentionMetadata:
         return reference_metadata(step)
 
+    def update_metadata(self, static: AttentionMetadata, step: AttentionStep) -> bool:
+        """In place, for a captured decode step: slots, lengths and tables are tensors the kernels read; tables
+        narrower than ``static``'s keep stale ids past their own blocks, which no kernel reads."""
+        tables = step.padded_block_tables()
+        if (not step.is_decode_only or static.seq_lens.shape[0] != step.num_seqs
+                or (tables and len(tables[0]) > static.block_tables.shape[1])):
+            return False
+        static.slot_mapping.copy_(torch.tensor(step.slot_mapping, dtype=torch.int64))
+        static.seq_lens.copy_(torch.tensor(step.seq_lens, dtype=torch.int32))
+        static.query_start_loc.copy_(torch.tensor(step.query_start_loc, dtype=torch.int32))
+        if tables:
+            static.block_tables[:, :len(tables[0])].copy_(torch.tensor(tables, dtype=torch.int32))
+        static.max_query_len, static.max_seq_len, static.is_decode_only = 1, step.max_seq_len, True
+        return True
+
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
                  metadata: AttentionMetadata) -> None:
         k_cache, v_cache = kv_cache

@@ -37,6 +37,10 @@ def can_pack(weight: torch.Tensor) -> bool:
             and (weight.dtype is not torch.bfloat16 or weight.shape[1] % 2 == 0) and available(weight.dtype))
 
 
+#: attribute keeping a bias's float32 copy, with the version of the bias it was made from
+_BIAS32 = "_kunlun_bias32"
+
+
 def tile_n() -> int:
     """Output features per packed tile of the loaded kernel set."""
     return int(cpu_native.library().kunlun_gemm_tile_n())
@@ -56,6 +60,17 @@ def is_packed(weight: object) -> bool:
     return hasattr(weight, PACKED_OUT_FEATURES)
 
 
+def _bias32(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``bias`` in float32, contiguous: converted once and kept on the bias (again only after it changes)."""
+    if bias is None or (bias.dtype is torch.float32 and bias.is_contiguous()):
+        return bias
+    cached = getattr(bias, _BIAS32, None)
+    if cached is None or cached[0] != bias._version:
+        cached = (bias._version, bias.detach().to(torch.float32).contiguous())
+        setattr(bias, _BIAS32, cached)
+    return cached[1]
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for a weight from :func:`pack`, in its dtype with float32 accumulation."""
     n, k = getattr(packed, PACKED_OUT_FEATURES), packed.shape[1]
@@ -64,7 +79,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, k).to(packed.dtype).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=packed.dtype)
     if rows.shape[0]:
-        bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        bias32 = _bias32(bias)
         status = getattr(cpu_native.library(), _KERNELS[packed.dtype][1])(
             packed.data_ptr(), rows.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
             rows.shape[0], n, k)
@@ -109,7 +124,7 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
     if rows.shape[0]:
-        bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        bias32 = _bias32(bias)
         status = cpu_native.library().kunlun_gemm_int8(
             packed.data_ptr(), rows.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
             rows.shape[0], n, k, x.dtype is torch.bfloat16)

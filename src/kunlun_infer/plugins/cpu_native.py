@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from kunlun_infer.plugins import cpu_capture
 from kunlun_infer.plugins.cpu_device import ISA_ENV, cpu_flags
 
 log = logging.getLogger("kunlun_infer.plugin.torch-ops")
@@ -196,8 +197,12 @@ def selection() -> Selection:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels of :func:`selection`, or ``None`` when this machine cannot build or run them."""
-    return selection().library
+    """The loaded kernels of :func:`selection`, or ``None`` when this machine cannot build or run them.
+
+    While this thread captures a step (:mod:`kunlun_infer.plugins.cpu_capture`), the same kernels behind a
+    recorder."""
+    lib = selection().library
+    return None if lib is None else cpu_capture.recorder(lib)
 
 
 def describe_planned() -> str:

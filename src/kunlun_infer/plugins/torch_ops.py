@@ -14,6 +14,10 @@ attention from the paged cache, fused norms, in the kernel set chosen for
 this CPU — the plugin's ``cpu_kernels`` stack entry says which and why); on a
 device whose tensors do not live on the host it is option ``torch``.
 
+Option ``cpu`` also captures decode steps (``OpsProvider.capture``, hook
+API 1.5; :mod:`kunlun_infer.plugins.cpu_capture`): the engine replays a
+batch size's native kernel calls without the Python that made them.
+
 Both options serve multi-head latent attention (hook API 1.4) with the
 backend of :mod:`kunlun_infer.plugins.torch_mla` (decode attends over the
 latent itself, with the up-projection folded into the queries); per-head
@@ -33,7 +37,7 @@ from kunlun_infer.capabilities import Device, DictOpsProvider
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.ops import OP_SPECS
 from kunlun_infer.ops.attention import AttentionBackendBase, AttentionSpec
-from kunlun_infer.plugins import cpu_kernels, cpu_native
+from kunlun_infer.plugins import cpu_capture, cpu_kernels, cpu_native
 from kunlun_infer.plugins.cpu_device import stack_versions
 from kunlun_infer.plugins.torch_mla import torch_mla_backend
 
@@ -108,6 +112,18 @@ class TorchOps(DictOpsProvider):
         return torch_mla_backend(spec)
 
 
+class CpuOps(TorchOps):
+    """Option ``cpu``: the host kernels, whose decode steps are captured and replayed (hook API 1.5)."""
+
+    def capture(self, fn: Any) -> cpu_capture.CapturedStep | None:
+        if cpu_native.library() is None:
+            return None
+        captured, reason = cpu_capture.capture_or_reason(fn)
+        if captured is None:
+            log.info("step not captured, it runs eagerly: %s", reason)
+        return captured
+
+
 def make_torch_ops(*, config: Any, device: Device) -> DictOpsProvider:
     return TorchOps(kernels(), name="torch")
 
@@ -118,7 +134,7 @@ def make_cpu_ops(*, config: Any, device: Device | None) -> DictOpsProvider:
         log.info("ops=cpu on device '%s' (tensors on %s): using the plain torch kernels", device.name,
                  device.torch_device)
         return make_torch_ops(config=config, device=device)
-    return TorchOps(cpu_kernels.kernels(), name="cpu")
+    return CpuOps(cpu_kernels.kernels(), name="cpu")
 
 
 @hookimpl

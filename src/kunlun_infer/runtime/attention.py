@@ -80,6 +80,12 @@ class _Guard:
         except Exception as exc:  # noqa: BLE001 - attributed to the plugin
             raise self._fail(exc, "build_metadata") from exc
 
+    def update_metadata(self, static: Any, step: AttentionStep) -> bool:
+        try:  # a backend written before 1.5 inherits the base class's answer: False
+            return bool(self.inner.update_metadata(static, step))
+        except Exception as exc:  # noqa: BLE001 - attributed to the plugin
+            raise self._fail(exc, "update_metadata") from exc
+
     def _store(self, call: str, store: Any, *args: Any) -> None:
         try:
             store(*args)

@@ -143,6 +143,19 @@ class Runtime:
                              backend.name)
         return backend
 
+    def capture_step(self, fn: Callable[[], Any]) -> Any:
+        """``fn`` captured by the ops plugin for replay (``OpsProvider.capture``, hook API 1.5), or ``None``
+        where it does not capture (a provider written before 1.5 never does)."""
+        plugin = self._providers["ops"]
+        method = getattr(unwrap(self.ops), "capture", None)
+        if method is None:
+            return None
+        captured = guarded_call(plugin, "ops.capture", method, fn)
+        if captured is not None and not callable(getattr(captured, "replay", None)):
+            raise PluginError(f"plugin '{plugin}': ops.capture returned a {type(captured).__name__}, which has no "
+                              f"replay()", plugin=plugin, hook="ops.capture")
+        return captured
+
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:

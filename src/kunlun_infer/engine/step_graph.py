@@ -1,0 +1,122 @@
+"""Decode steps replayed from a capture, one per batch size: the engine's side of ``OpsProvider.capture``.
+
+A decode step of a small model on a host CPU spends milliseconds in Python:
+a few hundred kernel launches, each through a module, the op table and a
+wrapper that checks its inputs and allocates its output. :class:`StepGraphs`
+runs the first decode-only step of each batch size through the ops plugin's
+capture (hook API 1.5) over buffers of its own: the hidden states after the
+token embedding, the positions, and the attention metadata built for block
+tables as wide as a sequence may grow. A later step of that size writes its
+inputs into those buffers (the metadata through
+``AttentionBackendBase.update_metadata``) and replays the captured kernels.
+The token embedding runs before each replay (:meth:`CausalLM.embed`), the LM
+head and the sampler after it, as in any step.
+
+Everything else runs eagerly, as before: steps with prompt tokens, drafts or
+a pipeline stage's input, batches larger than ``ops.step_graphs``, a batch
+size whose capture the plugin refused (``None``), a backend that cannot
+update its metadata. A replay whose kernel reports a failure makes the step
+run again eagerly, which raises that kernel's own error; the cache writes
+the replay made are the ones the eager step makes again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kunlun_infer.ops.attention_step import AttentionStep
+
+log = logging.getLogger("kunlun_infer.engine")
+
+
+@dataclasses.dataclass
+class _Graph:
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    metadata: Any
+    captured: Any
+
+
+class StepGraphs:
+    """The captured decode steps of one model runner, by batch size.
+
+    ``capture``: the runtime's ``capture_step``; ``max_batch``: the largest
+    batch captured (``ops.step_graphs``); ``max_blocks``: the most cache
+    blocks one sequence can hold (the width of the captured block tables).
+    """
+
+    def __init__(self, capture: Callable[[Callable[[], Any]], Any], model: Any, attention: Any, *,
+                 max_batch: int, max_blocks: int) -> None:
+        self._capture = capture
+        self.model = model
+        self.attention = attention
+        self.max_batch = max_batch
+        self.max_blocks = max_blocks
+        self._graphs: dict[int, _Graph] = {}
+        #: batch sizes that run eagerly, and why
+        self.refused: dict[int, str] = {}
+        #: steps served by a replay / by a capture (counters for ``stats`` and tests)
+        self.replays = 0
+        self.captures = 0
+
+    def clear(self) -> None:
+        """Forget every capture (their buffers point into a KV cache that is about to go)."""
+        self._graphs.clear()
+        self.refused.clear()
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes captured so far."""
+        return sorted(self._graphs)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep,
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
+        """The final hidden states of a decode step from a replay (or the capture that serves its batch size),
+        or ``None`` when the caller must run it eagerly."""
+        batch = step.num_seqs
+        if not step.is_decode_only or batch > self.max_batch or batch in self.refused or not kv_caches:
+            return None
+        graph = self._graphs.get(batch)
+        if graph is None:
+            return self._first(input_ids, positions, step, kv_caches)
+        if not self.attention.update_metadata(graph.metadata, step):
+            return None
+        graph.hidden.copy_(self.model.embed(input_ids))
+        graph.positions.copy_(positions)
+        try:
+            graph.captured.replay()
+        except Exception as exc:  # noqa: BLE001 - the eager step raises the kernel's own error
+            log.debug("replay of a %d-sequence step failed (%s); running it eagerly", batch, exc)
+            return None
+        self.replays += 1
+        return graph.captured.result
+
+    def _refuse(self, batch: int, reason: str) -> None:
+        self.refused[batch] = reason
+        log.info("decode steps of %d sequence(s) run eagerly: %s", batch, reason)
+
+    def _first(self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep,
+               kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
+        batch = step.num_seqs
+        if any(len(t) > self.max_blocks for t in step.block_tables):
+            return None
+        wide = AttentionStep(step.block_size, step.query_lens, step.context_lens,
+                             step.padded_block_tables(self.max_blocks), step.slot_mapping, step.device)
+        metadata = self.attention.build_metadata(wide)
+        if not self.attention.update_metadata(metadata, step):
+            self._refuse(batch, f"attention backend '{self.attention.name}' cannot update its metadata in place")
+            return None
+        hidden = self.model.embed(input_ids).clone()
+        static_positions = positions.clone()
+        captured = self._capture(lambda: self.model(input_ids, static_positions, metadata, kv_caches, (hidden, None)))
+        if captured is None:
+            self._refuse(batch, "the ops plugin did not capture it")
+            return None
+        self._graphs[batch] = _Graph(hidden, static_positions, metadata, captured)
+        self.captures += 1
+        return captured.result

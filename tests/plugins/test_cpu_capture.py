@@ -1,0 +1,108 @@
+"""``cpu_capture``: native kernel calls recorded once, replayed on new input contents, refused when torch computes.
+
+A replay must read what the caller wrote into its input buffers since, write
+the captured result in place, and keep its scratch buffers in one arena that
+every captured step of the thread shares; work a replay would skip (a torch
+op that computes, an in-place write, a tensor of host values) refuses the
+capture, and a kernel failing in a replay stops it with ``ReplayError``.
+"""
+
+import pytest
+import torch
+
+from kunlun_infer.ops import reference
+from kunlun_infer.plugins import cpu_capture, cpu_kernels, cpu_native
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="the native CPU kernels do not build here")
+
+
+def block(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Add and norm, SwiGLU, norm: three kernels over three scratch buffers (the normed rows, the sum, the SwiGLU
+    output), of which the sum (written by the first kernel only) and the SwiGLU output never live together."""
+    normed, _ = cpu_kernels.add_rms_norm(x, residual, w, 1e-6)
+    return cpu_kernels.rms_norm(cpu_kernels.silu_and_mul(normed), w2, 1e-6)
+
+
+def eager(x, residual, w, w2):
+    normed, summed = reference.add_rms_norm(x, residual, w, 1e-6)
+    return reference.rms_norm(reference.silu_and_mul(normed), w2, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_replay_reads_the_inputs_new_contents(dtype):
+    g = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(3, 64, generator=g, dtype=dtype), torch.randn(3, 64, generator=g, dtype=dtype)
+    w, w2 = torch.randn(64, generator=g, dtype=dtype), torch.randn(32, generator=g, dtype=dtype)
+    captured = cpu_capture.capture(lambda: block(x, residual, w, w2))
+    assert captured is not None and captured.num_calls == 3
+    torch.testing.assert_close(captured.result, eager(x, residual, w, w2))
+    for _ in range(3):
+        x.copy_(torch.randn(3, 64, generator=g, dtype=dtype))
+        residual.copy_(torch.randn(3, 64, generator=g, dtype=dtype))
+        out = captured.replay()
+        assert out is captured.result
+        torch.testing.assert_close(out, eager(x, residual, w, w2))
+
+
+def test_scratch_buffers_share_one_arena_across_steps():
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for rows in (2, 64):  # the second needs a larger arena: the first's calls must follow it there
+        x, residual = torch.randn(rows, 256, generator=g), torch.randn(rows, 256, generator=g)
+        w, w2 = torch.randn(256, generator=g), torch.randn(128, generator=g)
+        captured = cpu_capture.capture(lambda x=x, residual=residual, w=w, w2=w2: block(x, residual, w, w2))
+        # each in a buffer of its own: (256 + 256 + 128) floats a row; sharing: the normed rows and the larger
+        # of the other two
+        assert captured.arena_bytes == (256 + 256) * rows * 4
+        steps.append((captured, (x, residual, w, w2)))
+    for _ in range(2):
+        for captured, (x, residual, w, w2) in steps:
+            x.copy_(torch.randn(x.shape, generator=g))
+            torch.testing.assert_close(captured.replay(), eager(x, residual, w, w2))
+
+
+def test_a_torch_op_that_computes_refuses_the_capture():
+    x, w = torch.randn(2, 64), torch.randn(64)
+    captured, reason = cpu_capture.capture_or_reason(lambda: cpu_kernels.rms_norm(x + 1, w, 1e-6))
+    assert captured is None and "aten::add" in reason and "computes" in reason
+
+
+def test_an_in_place_write_refuses_the_capture():
+    x, w = torch.randn(2, 64), torch.randn(64)
+
+    def region():
+        out = cpu_kernels.rms_norm(x, w, 1e-6)
+        return out.mul_(2)
+
+    captured, reason = cpu_capture.capture_or_reason(region)
+    assert captured is None and "aten::mul_" in reason and "in place" in reason
+
+
+def test_a_tensor_of_host_values_refuses_the_capture():
+    w = torch.randn(64)
+    captured, reason = cpu_capture.capture_or_reason(
+        lambda: cpu_kernels.rms_norm(torch.tensor([[0.5] * 64]), w, 1e-6))
+    assert captured is None and "host values" in reason
+
+
+def test_a_region_without_native_kernels_is_not_captured():
+    x = torch.randn(4)
+    captured, reason = cpu_capture.capture_or_reason(lambda: x.view(2, 2))
+    assert captured is None and "no native kernel" in reason
+
+
+def test_a_kernel_failing_in_a_replay_stops_it():
+    key, value = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    k_cache, v_cache = torch.zeros(4, 4, 1, 16), torch.zeros(4, 4, 1, 16)
+    slots = torch.tensor([0, 5])
+    captured = cpu_capture.capture(lambda: cpu_kernels.store_kv(key, value, k_cache, v_cache, slots))
+    assert captured is not None
+    torch.testing.assert_close(k_cache.view(16, 1, 16)[5], key[1])
+    slots[1] = 16  # past the 16 slots of the caches
+    key.fill_(7.0)
+    with pytest.raises(cpu_capture.ReplayError, match="kunlun_store_kv"):
+        captured.replay()
+    assert not (k_cache == 7.0).any()  # the kernel checks every slot before it writes
+    slots[1] = 6
+    captured.replay()
+    assert (k_cache.view(16, 1, 16)[6] == 7.0).all()
