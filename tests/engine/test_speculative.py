@@ -64,6 +64,8 @@ def test_a_draft_that_is_always_right_writes_several_tokens_per_step(tiny_model,
     stats = llm.engine.stats()
     assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_tokens_per_step"] > 4
     assert stats["num_steps"] < plain.engine.stats()["num_steps"] / 3
+    # the draft model's one-token steps replay captures (ops.step_graphs), as the model's decode steps do
+    assert llm.engine._draft.runner.graphs.replays > 0
 
 
 def test_stops_logprobs_and_max_tokens_inside_kept_drafts(tiny_model, make_llm):

@@ -94,3 +94,20 @@ def test_a_new_kv_cache_drops_the_captures(tiny_model, make_llm):
     assert runner.graphs.batch_sizes == []
     assert [o.token_ids for o in llm.generate([[1, 2, 3]], params, use_tqdm=False)] == first
     assert runner.graphs.batch_sizes == [1]
+
+
+def test_a_failed_replay_runs_the_step_eagerly(tiny_model, make_llm, monkeypatch):
+    from kunlun_infer.plugins import cpu_capture
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in make_llm(tiny_model("llama"), ops__step_graphs=0).generate(
+        [[1, 2, 3], [9, 8]], params, use_tqdm=False)]
+
+    def fail(self):
+        raise cpu_capture.ReplayError("a captured kernel (kunlun_store_kv) returned status -2")
+
+    monkeypatch.setattr(cpu_capture.CapturedStep, "replay", fail)
+    llm = make_llm(tiny_model("llama"))
+    assert [o.token_ids for o in llm.generate([[1, 2, 3], [9, 8]], params, use_tqdm=False)] == want
+    graphs = llm.engine.runner.graphs
+    assert graphs.captures >= 1 and graphs.replays == 0  # every later step fell back to the eager forward

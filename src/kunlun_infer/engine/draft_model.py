@@ -26,6 +26,7 @@ from kunlun_infer.engine.model_runner import ModelRunner, build_step_inputs
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.sequence import Sequence
+from kunlun_infer.engine.step_graph import step_graphs
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.models import load_model, load_model_config
 
@@ -81,6 +82,8 @@ class DraftModelProposer:
         device = runtime.device.torch_device
         sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         runner = ModelRunner(model, device=device, block_size=block_size, sampler=sampler, memory=runtime.memory)
+        # one rank (see load_proposer): its one-token drafting steps may replay captures
+        runner.graphs = step_graphs(runtime, model, max_model_len=max_model_len, block_size=block_size)
         return cls(runner, sampler, block_size)
 
     @property

@@ -53,7 +53,7 @@ from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sample_group import SampleGroup
 from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
-from kunlun_infer.engine.step_graph import StepGraphs
+from kunlun_infer.engine.step_graph import step_graphs
 from kunlun_infer.engine.startup import (choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir,
                                         model_tokenizer)
 from kunlun_infer.engine.draft_model import DraftModelProposer
@@ -155,10 +155,8 @@ class LLMEngine:
         runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class
         self.runner = runner_class(model, device=self.device, block_size=self.block_size, sampler=sampler,
                                    memory=rt.memory)
-        graph_batch = int(setting(cfg, "ops.step_graphs"))
-        if self.parallel is None and graph_batch > 0:
-            self.runner.graphs = StepGraphs(rt.capture_step, model, model.attention, max_batch=graph_batch,
-                                            max_blocks=-(-self.max_model_len // self.block_size))
+        if self.parallel is None:  # one rank: its decode steps may replay captures
+            self.runner.graphs = step_graphs(rt, model, max_model_len=self.max_model_len, block_size=self.block_size)
         layout = self.runner.layout
         proposer = load_proposer(cfg.get("speculative"), runtime=rt, dtype=self.dtype,
                                  max_model_len=self.max_model_len, block_size=self.block_size,

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kunlun_infer.config import setting
 from kunlun_infer.ops.attention_step import AttentionStep
 
 log = logging.getLogger("kunlun_infer.engine")
@@ -120,3 +121,12 @@ class StepGraphs:
         self._graphs[batch] = _Graph(hidden, static_positions, metadata, captured)
         self.captures += 1
         return captured.result
+
+
+def step_graphs(runtime: Any, model: Any, *, max_model_len: int, block_size: int) -> StepGraphs | None:
+    """The captured steps of a one-rank runner of ``model`` under ``runtime``'s ``ops.step_graphs`` (``None``: 0)."""
+    max_batch = int(setting(runtime.config, "ops.step_graphs"))
+    if max_batch <= 0:
+        return None
+    return StepGraphs(runtime.capture_step, model, model.attention, max_batch=max_batch,
+                      max_blocks=-(-max_model_len // block_size))
