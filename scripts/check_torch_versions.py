@@ -5,7 +5,7 @@ For every release asked for (default: the README's table), a virtual
 environment with that torch from the package registry, then this checkout
 installed into it with its test extra the way a user with a vendor's torch
 would (``pip install -e ".[test]"``, which must leave that torch alone), then
-the core tests: engine and model parity against transformers, tensor
+the core tests: engine and model parity against transformers (eager and from captured steps), tensor
 parallelism on gloo, the conformance suite on the built-in plugins, the plugin
 runtime, a plugin distribution end to end, and the Kunlun plugin (whose
 stacks ship torch 2.5.1 and 2.9). It prints one Markdown row per release and
@@ -44,10 +44,12 @@ RELEASES = ("2.5.1", "2.9.1", "2.11.0", "2.13.0+cpu")
 #: the core tests (paths relative to the checkout)
 CORE_TESTS = (
     "tests/engine/test_correctness.py",
+    "tests/engine/test_step_graphs.py",
     "tests/models/test_model_logits.py",
     "tests/models/test_rope_scaling.py",
     "tests/models/test_tensor_parallel.py",
     "tests/plugins/test_builtin_conformance.py",
+    "tests/plugins/test_cpu_capture.py",
     "tests/runtime",
     "tests/hooks/test_simchip_engine.py",
     "hooks/kunlun-infer-kunlun/tests",

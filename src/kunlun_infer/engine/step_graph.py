@@ -70,6 +70,10 @@ class StepGraphs:
         self._graphs.clear()
         self.refused.clear()
 
+    def captured_step(self, batch: int) -> Any:
+        """The ops plugin's captured step serving ``batch`` sequences (``KeyError`` when none is)."""
+        return self._graphs[batch].captured
+
     @property
     def batch_sizes(self) -> list[int]:
         """The batch sizes captured so far."""

@@ -13,6 +13,8 @@ with AMX bf16 weights go to oneDNN instead (see ``cpu_kernels``).
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from kunlun_infer.plugins import cpu_native
@@ -37,6 +39,35 @@ def can_pack(weight: torch.Tensor) -> bool:
             and (weight.dtype is not torch.bfloat16 or weight.shape[1] % 2 == 0) and available(weight.dtype))
 
 
+#: a transparent huge page on x86-64 Linux
+_HUGE_PAGE = 2 << 20
+
+
+def weight_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty 1-D tensor for a packed weight, in huge pages where the system grants them.
+
+    A decode step streams every weight once; in 4 KiB pages that is a TLB
+    miss every 4 KiB (measured, same process, a 0.5B model's decode step:
+    2-5% shorter with the weights in huge pages). A weight of at least one
+    huge page gets a fresh anonymous mapping, aligned to 2 MiB and advised
+    ``MADV_HUGEPAGE`` before anything touches it (the alignment slack is
+    never touched, so it takes no memory); where that is not available
+    (another OS, the advice refused) the weight keeps the usual pages.
+    """
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < _HUGE_PAGE or advice is None:
+        return torch.empty(numel, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping for as long as a view lives
+    skip = -whole.data_ptr() % _HUGE_PAGE
+    try:
+        region.madvise(advice, skip - skip % mmap.PAGESIZE, nbytes + skip % mmap.PAGESIZE)
+    except OSError:
+        pass
+    return whole[skip:skip + nbytes].view(dtype)
+
+
 #: attribute keeping a bias's float32 copy, with the version of the bias it was made from
 _BIAS32 = "_kunlun_bias32"
 
@@ -50,7 +81,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[N, K]`` in the kernel's tiled layout: a new ``[ceil(N/tile)*tile, K]`` tensor."""
     n, k = weight.shape
     src = weight.detach().contiguous()
-    packed = torch.empty(-(-n // tile_n()) * tile_n(), k, dtype=weight.dtype)
+    packed = weight_buffer(-(-n // tile_n()) * tile_n() * k, weight.dtype).view(-1, k)
     getattr(cpu_native.library(), _KERNELS[weight.dtype][0])(src.data_ptr(), packed.data_ptr(), n, k)
     setattr(packed, PACKED_OUT_FEATURES, n)
     return packed
@@ -104,7 +135,7 @@ def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     tiles, then the scales and the sums the unsigned dot products subtract, padded to the tiles)."""
     n, k = qweight.shape
     lib = cpu_native.library()
-    packed = torch.empty(int(lib.kunlun_int8_packed_bytes(n, k)), dtype=torch.int8)
+    packed = weight_buffer(int(lib.kunlun_int8_packed_bytes(n, k)), torch.int8)
     q = qweight.detach().to(torch.int8).contiguous()
     s = scale.detach().to(torch.float32).contiguous()
     lib.kunlun_pack_int8(q.data_ptr(), s.data_ptr(), packed.data_ptr(), n, k)
