@@ -198,11 +198,14 @@ def measure_machine() -> dict[str, float]:
 
 def read_bandwidth() -> float:
     """Bytes per second the native read probe (``kunlun_read_probe``: every thread sums its share of one stream)
-    takes from a 1 GiB buffer of random values (best of 10); torch's sum without native kernels. The host's
-    memory is shared with whatever else runs on it, so it is probed again beside every batch-1 measurement."""
-    from kunlun_infer.plugins import cpu_native
+    takes from a 1 GiB buffer of random values (best of 10); torch's sum without native kernels. The buffer
+    lives in the kind of pages the packed weights do (``cpu_gemm.weight_buffer``: huge pages where the system
+    grants them), so both are read alike. The host's memory is shared with whatever else runs on it, so it is
+    probed again beside every batch-1 measurement."""
+    from kunlun_infer.plugins import cpu_gemm, cpu_native
 
-    buf = torch.rand(PROBE_BYTES // 4)  # random: pages of equal contents could be merged by the host
+    buf = cpu_gemm.weight_buffer(PROBE_BYTES // 4, torch.float32)
+    buf.uniform_()  # random: pages of equal contents could be merged by the host
     lib = cpu_native.library()
     if lib is None:
         return PROBE_BYTES / machine.best_time(lambda: buf.sum(), 10)
