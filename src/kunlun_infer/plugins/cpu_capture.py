@@ -261,23 +261,19 @@ def capture_or_reason(fn: Callable[[], Any]) -> tuple[CapturedStep | None, str]:
             return buffers[i][0]
         return None
 
+    # per call: (argument position, buffer, offset in it) of each pointer into the region's own buffers
+    hits: list[list[tuple[int, int, int]]] = []
     for index, call in enumerate(calls):
+        hits.append([])
         for position in call.pointers:
             pointer = call.args[position]
             base = owner(pointer) if isinstance(pointer, int) else None
             if base is not None:
                 first.setdefault(base, index)
                 last[base] = index
+                hits[-1].append((position, base, pointer - base))
     offsets, size = _place([(first[b], last[b], e - b, b) for b, e in buffers if b in first])
-    arena_args = []
-    for call in calls:
-        moved = []
-        for position in call.pointers:
-            pointer = call.args[position]
-            base = owner(pointer) if isinstance(pointer, int) else None
-            if base is not None:
-                moved.append((position, offsets[base] + (pointer - base)))
-        arena_args.append(moved)
+    arena_args = [[(position, offsets[base] + within) for position, base, within in hit] for hit in hits]
     gone = {b for b, _ in buffers}  # the region's own copies of these are no longer read: let them go
     keep = [t for t in watch.kept if _storage(t)[0] not in gone]
     return CapturedStep(result, calls, arena_args, keep, size), ""

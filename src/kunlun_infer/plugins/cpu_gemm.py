@@ -54,7 +54,7 @@ def weight_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     never touched, so it takes no memory); where that is not available
     (another OS, the advice refused) the weight keeps the usual pages.
     """
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < _HUGE_PAGE or advice is None:
         return torch.empty(numel, dtype=dtype)
