@@ -107,3 +107,33 @@ def test_point_to_point_conformance_passes_gloo_and_catches_messages_out_of_orde
         assert errors == [None, None]
     else:
         assert all(isinstance(e, ConformanceError) and "message 0" in str(e) for e in errors), errors
+
+
+def test_gloo_keeps_a_collectives_tensors_until_the_group_is_gone_and_no_longer_than_a_few_collectives():
+    # torch < 2.8 destroys a gloo group holding the GIL while its worker thread may still be letting go of the last
+    # collective; a tensor freed by then needs the GIL in that thread, and destroy() would hang for ever
+    import weakref
+
+    from kunlun_infer.plugins.process_group import SETTLING_COLLECTIVES
+
+    comm = make_gloo(config=OmegaConf.create({}), device=None)
+    comm.init(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=30)
+    given = torch.ones(4)
+    gathered = comm.all_to_all(torch.arange(3.0), [3], [3])
+    kept, parts = weakref.ref(given), weakref.ref(gathered)
+    assert torch.equal(comm.all_reduce(given), torch.ones(4))
+    del given, gathered
+    assert kept() is not None and parts() is not None  # still the comm's, though the caller let go
+
+    comm.destroy()
+    assert kept() is None and parts() is None  # released once the group is gone
+
+    comm.init(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=30)
+    first = torch.ones(2)
+    comm.all_reduce(first)
+    first_ref = weakref.ref(first)
+    del first
+    for _ in range(SETTLING_COLLECTIVES):
+        comm.barrier()
+    assert first_ref() is None  # a bounded window, not a leak
+    comm.destroy()

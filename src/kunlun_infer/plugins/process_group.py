@@ -21,6 +21,7 @@ Point-to-point ``send``/``recv`` (hook API 1.4) are the process group's own.
 
 from __future__ import annotations
 
+import collections
 import copy
 import datetime
 import pickle
@@ -34,6 +35,9 @@ from kunlun_infer.capabilities import Comm
 from kunlun_infer.config import COMM_TIMEOUT_S
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+#: collectives whose tensors a comm keeps after they complete (see :meth:`ProcessGroupComm.complete`)
+SETTLING_COLLECTIVES = 4
 
 
 def parse_dtype(name: Any) -> torch.dtype | None:
@@ -60,6 +64,7 @@ class ProcessGroupComm(Comm):
         self._subgroups: list[ProcessGroupComm] = []
         #: this group's ranks in the group it was split from (``None`` for a group of its own)
         self.parent_ranks: tuple[int, ...] | None = None
+        self._settling: collections.deque[tuple[torch.Tensor, ...]] = collections.deque(maxlen=SETTLING_COLLECTIVES)
 
     # ------------------------------------------------------------------ what a backend overrides
 
@@ -98,6 +103,7 @@ class ProcessGroupComm(Comm):
                              f"0..{self.world_size - 1} and include this rank ({self.rank})")
         sub = copy.copy(self)
         sub._subgroups = []
+        sub._settling = collections.deque(maxlen=SETTLING_COLLECTIVES)
         sub._store = dist.PrefixStore(f"sub-{'-'.join(map(str, ranks))}/", self.store)
         sub._group = None
         sub._group = sub.new_subgroup(ranks, sub._store, self._timeout)
@@ -129,6 +135,20 @@ class ProcessGroupComm(Comm):
         group, self._group, self._store = self._group, None, None
         if group is not None:
             self.release_group(group)
+        del group  # the process group goes first (usually its last reference), then the tensors kept for it
+        self._settling.clear()
+
+    def complete(self, work: Any, *tensors: torch.Tensor) -> None:
+        """Wait for a collective's ``work``, and keep the tensors it was given for a few more collectives.
+
+        A backend's worker thread lets go of a finished collective (and of its tensors) just after ``wait``
+        returns. A tensor whose Python object is already gone by then makes that thread take the GIL to free
+        it; if the process group is being destroyed at that moment, the destructor (torch < 2.8 holds the GIL
+        through it) waits for the worker and the worker for the GIL, for ever. Kept here, those tensors are
+        freed by whoever drops them last in Python, and :meth:`destroy` lets them go only after the group.
+        """
+        work.wait()
+        self._settling.append(tensors)
 
     # ------------------------------------------------------------------ collectives
 
@@ -147,7 +167,7 @@ class ProcessGroupComm(Comm):
         work = tensor.to(wide) if wide is not None else tensor
         if not work.is_contiguous():
             work = work.contiguous()
-        self.group.allreduce([work]).wait()
+        self.complete(self.group.allreduce([work]), work)
         if work is not tensor:
             tensor.copy_(work)
         return tensor
@@ -157,7 +177,7 @@ class ProcessGroupComm(Comm):
         # the backend may fill the parts from its own thread, where torch 2.5 refuses writes to inference tensors
         with torch.inference_mode(False):
             parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self.group.allgather([parts], [tensor]).wait()
+        self.complete(self.group.allgather([parts], [tensor]), tensor, *parts)
         return torch.cat(parts, dim=dim)
 
     def all_to_all(self, tensor: torch.Tensor, send_splits: Any, recv_splits: Any) -> torch.Tensor:
@@ -165,14 +185,15 @@ class ProcessGroupComm(Comm):
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         with torch.inference_mode(False):
             out = work.new_empty((sum(recv_splits), *work.shape[1:]))
-        self.group.alltoall_base(out, work, list(recv_splits), list(send_splits), dist.AllToAllOptions()).wait()
+        self.complete(self.group.alltoall_base(out, work, list(recv_splits), list(send_splits), dist.AllToAllOptions()),
+                      out, work)
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         options = dist.BroadcastOptions()
         options.rootRank = src
-        self.group.broadcast([work], options).wait()
+        self.complete(self.group.broadcast([work], options), work)
         if work is not tensor:
             tensor.copy_(work)
         return tensor
@@ -188,17 +209,19 @@ class ProcessGroupComm(Comm):
         return obj if self.rank == src else pickle.loads(data.cpu().numpy().tobytes())  # noqa: S301 - peers only
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.group.send([tensor.contiguous()], dst, 0).wait()
+        work = tensor.contiguous()
+        self.complete(self.group.send([work], dst, 0), work)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         with torch.inference_mode(False):  # the backend may write from its own thread (see all_gather)
             buffer = torch.empty_like(work) if work.is_inference() else work
-        self.group.recv([buffer], src, 0).wait()
+        self.complete(self.group.recv([buffer], src, 0), buffer)
         if buffer is not tensor:
             tensor.copy_(buffer)
         return tensor
 
     def barrier(self) -> None:
         # a one-element all-reduce on a control tensor is a barrier every backend implements
-        self.group.allreduce([torch.zeros(1, device=self.control_device)]).wait()
+        token = torch.zeros(1, device=self.control_device)
+        self.complete(self.group.allreduce([token]), token)

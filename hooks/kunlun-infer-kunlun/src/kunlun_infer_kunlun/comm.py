@@ -90,7 +90,7 @@ class BkclComm(DistComm):
     def warm_up(self) -> None:
         """One all-reduce of ones: creates the communicator now and checks that all ranks answered."""
         probe = torch.ones(1, dtype=torch.float32, device=self.control_device)
-        self.group.allreduce([probe]).wait()
+        self.complete(self.group.allreduce([probe]), probe)
         self.device.synchronize()
         got = float(probe.item())
         if got != float(self.world_size):
