@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kunlun_infer.engine import heap
 from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.errors import KunlunInferError, RequestError
@@ -62,6 +63,8 @@ class ReplicaServer:
         self.metrics = ServerMetrics(lambda: self.loop.stats, lambda: self.loop.num_queued)
         self.loop = EngineLoop(self.engine, max_queue=int(self.config.server.max_queue), metrics=self.metrics)
         self.loop.start()
+        heap.hold()  # the actor's process serves this engine: its start-up objects are left out of collections
+        self._holds_heap = True
         #: ``(dispatcher's id, output or ErrorInfo)`` as the engine loop hands them over
         self._outbox: asyncio.Queue | None = None
         self._submissions: dict[str, Any] = {}
@@ -156,3 +159,6 @@ class ReplicaServer:
         """Stop the engine loop (aborting what is left) and release the engine."""
         await asyncio.to_thread(self.loop.shutdown)
         self.engine.close()
+        if self._holds_heap:
+            self._holds_heap = False
+            heap.release()

@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kunlun_infer.config import check_ranges
+from kunlun_infer.engine import heap
 from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.server.app import build_app
@@ -63,7 +64,8 @@ def serve(config: DictConfig, *, on_ready: Any = None) -> None:
     app = build_app(engine, model_name=model_name_for(config), max_queue=int(config.server.max_queue),
                     close_engine=True)
     try:
-        run_app(app, sock, model_name_for(config), on_ready=on_ready)
+        with heap.held():  # start-up's objects are left out of the collections while it serves
+            run_app(app, sock, model_name_for(config), on_ready=on_ready)
     finally:
         engine.close()  # idempotent; the app's lifespan closed it unless start-up was interrupted
 

@@ -27,6 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kunlun_infer.dtypes import DTYPES
+from kunlun_infer.engine import heap
 from kunlun_infer.engine.model_runner import ModelRunner
 from kunlun_infer.engine.parallel.control_plane import ControlPlane, Kind, exchange_status, exchange_step_failures
 from kunlun_infer.engine.parallel.pipeline import PipelineLink, run_stage
@@ -48,6 +49,8 @@ class Worker:
         self.rank = runtime.comm.rank
         self.plane = ControlPlane(runtime.comm, runtime.device.torch_device)
         self.runner: ModelRunner | None = None
+        #: the heap is frozen (``engine/heap.py``) from the load until the loop ends
+        self.holds_heap = False
 
     def serve(self) -> None:
         """Handle messages until ``STOP``; a failed collective raises (rank 0 died, hung or stopped talking)."""
@@ -59,6 +62,7 @@ class Worker:
                 if message.kind is Kind.LOAD:
                     if not self.load(message.spec or {}):
                         return
+                    self._hold_heap()
                 elif message.kind is Kind.KV:
                     self.resize_kv(message.num_blocks)
                 elif message.kind is Kind.STEP:
@@ -70,6 +74,18 @@ class Worker:
         finally:
             if self.runner is not None:
                 self.runner.release_kv_cache()
+            self._release_heap()
+
+    def _hold_heap(self) -> None:
+        """The shard is in: its start-up objects are left out of collections while this rank serves."""
+        if not self.holds_heap:
+            heap.hold()
+            self.holds_heap = True
+
+    def _release_heap(self) -> None:
+        if self.holds_heap:
+            self.holds_heap = False
+            heap.release()
 
     def load(self, spec: dict[str, Any]) -> bool:
         """Load this rank's shard; every rank then learns who succeeded. True when all did."""
@@ -117,6 +133,7 @@ class PipelineWorker(Worker):
                 if message.kind is Kind.LOAD:
                     if not self.load(self.runtime.comm.broadcast_object(None, 0)):
                         return
+                    self._hold_heap()
                 elif message.kind is Kind.KV:
                     self.resize_kv(message.num_blocks)
                 elif message.kind is Kind.STEP:
@@ -127,6 +144,7 @@ class PipelineWorker(Worker):
             self.link.close()
             if self.runner is not None:
                 self.runner.release_kv_cache()
+            self._release_heap()
 
     def load(self, spec: dict[str, Any]) -> bool:
         error, extra = None, (0, 0)
