@@ -12,9 +12,16 @@
  * in registers over the whole of K (2 * MR accumulators), and writes it once. Tiles are shared among the
  * OpenMP threads. A decode step (M <= MR) reads each weight exactly once, at memory speed; a prefill
  * reuses each tile from cache for every block of rows, bounded by the FMA units.
+ *
+ * With AVX2 a prefill (M > MR) takes each tile KC reductions at a time: the chunk, widened to float32 once
+ * when the weight is bf16, stays in the first-level cache while every block of rows multiplies it, and the
+ * blocks' sums wait in a small float32 buffer between chunks. Measured on a Zen 3 EPYC (AVX2 only), at 48
+ * and 256 rows of the 0.5B model's layer shapes: bf16 from 70-85 to 130-145 GFLOP/s, float32 from
+ * 105-118 to 135-145, against an FMA peak of 172.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -164,6 +171,70 @@ INLINE void block_of_rows(const float *a, const void *w, const int wkind, int64_
     }
 }
 
+#if VLEN == 8
+/* reductions per chunk of a prefill's tile: KC x NR float32 weights (16 KiB) and a block's KC x MR rows
+ * (6 KiB) fit the first-level cache together */
+#define KC 256
+
+/* C [rows][NR] (float32 sums so far) += A [kc][MR] (the first `rows` lanes) @ Wf [kc][NR] (float32) */
+INLINE void chunk_kernel(const float *a, const float *wf, int64_t kc, float *c, const int rows) {
+    vf acc0[MR], acc1[MR];
+    UNROLL for (int r = 0; r < rows; r++) {
+        acc0[r] = vf_loadu(c + r * NR);
+        acc1[r] = vf_loadu(c + r * NR + VLEN);
+    }
+    for (int64_t q = 0; q < kc; q++) {
+        const vf w0 = vf_loadu(wf + q * NR), w1 = vf_loadu(wf + q * NR + VLEN);
+        UNROLL for (int r = 0; r < rows; r++) {
+            const vf xr = vf_set1(a[q * MR + r]);
+            acc0[r] = vf_fma(xr, w0, acc0[r]);
+            acc1[r] = vf_fma(xr, w1, acc1[r]);
+        }
+    }
+    UNROLL for (int r = 0; r < rows; r++) {
+        vf_storeu(c + r * NR, acc0[r]);
+        vf_storeu(c + r * NR + VLEN, acc1[r]);
+    }
+}
+
+#define CHUNK_CASE(R) case R: chunk_kernel(ab, wf, kc, cb, R); break;
+
+/* One tile of Y for the `mc` rows packed in `blocks` blocks at `a`, K taken KC at a time (see the top). */
+INLINE void tile_in_chunks(const float *a, int64_t blocks, int64_t mc, const void *w, const int wkind, int64_t k,
+                           const float *bias, void *yt, int64_t n, int64_t cols, const int ybf16) {
+    float c[MC * NR] __attribute__((aligned(64)));
+    float widened[KC * NR] __attribute__((aligned(64)));
+    memset(c, 0, sizeof(float) * (size_t)(mc * NR));
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const int64_t kc = k - k0 < KC ? k - k0 : KC;
+        const float *wf = (const float *)w + k0 * NR;
+        if (wkind == WEIGHT_BF16) {
+            for (int64_t q = 0; q < kc; q++) {
+                vf w0, w1;
+                weight_pair(w, wkind, k0 + q, &w0, &w1);
+                vf_storeu(widened + q * NR, w0);
+                vf_storeu(widened + q * NR + VLEN, w1);
+            }
+            wf = widened;
+        }
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t r0 = blk * MR, rows = mc - r0 < MR ? mc - r0 : MR;
+            const float *ab = a + blk * k * MR + k0 * MR;
+            float *cb = c + r0 * NR;
+            switch (rows) {
+                CHUNK_CASE(1) CHUNK_CASE(2) CHUNK_CASE(3) CHUNK_CASE(4) CHUNK_CASE(5) CHUNK_CASE(6)
+            }
+        }
+    }
+    const vf b0 = bias ? vf_load_n(bias, 0, cols, 0) : vf_zero();
+    const vf b1 = bias ? vf_load_n(bias, VLEN, cols - VLEN, 0) : vf_zero();
+    for (int64_t r = 0; r < mc; r++) {
+        vf_store_n(yt, r * n, vf_add(vf_loadu(c + r * NR), b0), cols, ybf16);
+        if (cols > VLEN) vf_store_n(yt, r * n + VLEN, vf_add(vf_loadu(c + r * NR + VLEN), b1), cols - VLEN, ybf16);
+    }
+}
+#endif
+
 /* Y [M, N] = X [M, K] @ W^T + bias; X and Y bf16 (xbf16) or float32; W packed by kunlun_pack_*. Returns -1
  * (having written nothing) if the row buffer cannot be allocated, else 0. */
 INLINE int gemm(const void *p, const int wkind, const void *x, const int xbf16, const float *bias, void *y,
@@ -183,6 +254,13 @@ INLINE int gemm(const void *p, const int wkind, const void *x, const int xbf16, 
             const void *w = (const char *)p + t * k * NR * welem;
             const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
             const float *b = bias ? bias + col : NULL;
+#if VLEN == 8
+            if (m > MR) {
+                void *yt = (char *)y + (m0 * n + col) * (xbf16 ? 2 : 4);
+                tile_in_chunks(packed, blocks, mc, w, wkind, k, b, yt, n, cols, xbf16);
+                continue;
+            }
+#endif
             for (int64_t blk = 0; blk < blocks; blk++) {
                 const int64_t r0 = blk * per_block, rows = mc - r0 < per_block ? mc - r0 : per_block;
                 const float *a = packed + blk * k * MR;
