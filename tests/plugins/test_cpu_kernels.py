@@ -130,7 +130,6 @@ def test_native_gemm_matches_f_linear_for_every_row_count(native_kernel_set, dty
                                  dtype=dtype)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_kernel_set, dtype):
     """With AVX2 a GEMM of more rows than one block takes K in chunks of 256 (600 features: three, the last
@@ -149,6 +148,7 @@ def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_ke
     exact = F.linear(x.double(), weight.double(), bias.double())
     rounding = 2.0 ** -8 if dtype is torch.bfloat16 else 2.0 ** -20  # the output's own rounding, and some
     assert ((together.double() - exact).abs() <= rounding * exact.abs() + 1e-3).all()
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linear_keeps_leading_dims_and_refuses_a_wrong_width(kernel_set, dtype):
