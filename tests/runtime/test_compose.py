@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
+from omegaconf.errors import ValidationError
 
 from kunlun_infer import ConfigError, compose_config
 from kunlun_infer.runtime import PluginManager
@@ -104,6 +107,48 @@ def test_config_store_is_left_as_found(builtins_only):
     compose_config(plugin_manager=builtins_only)
     after = {k: (dict(v) if isinstance(v, dict) else v) for k, v in ConfigStore.instance().repo.items()}
     assert after == before
+
+
+def test_the_same_overrides_again_give_an_equal_config_of_its_own(builtins_only):
+    overrides = ["scheduler.max_num_seqs=6", "cache.block_size=32"]
+    first = compose_config(overrides, plugin_manager=builtins_only)
+    first.scheduler.max_num_seqs = 2  # one engine's config, changed after composing
+    first.cache.block_size = 64
+    again = compose_config(overrides, plugin_manager=builtins_only)
+    assert (again.scheduler.max_num_seqs, again.cache.block_size) == (6, 32)
+    assert again == compose_config(overrides, plugin_manager=builtins_only)
+    with pytest.raises(ValidationError):  # still typed by the schema
+        again.scheduler.max_num_seqs = "many"
+
+
+def test_a_plugin_option_registered_later_composes_with_the_same_overrides(builtins_only):
+    from kunlun_infer.config import DeviceConfig
+    from kunlun_infer.hookspecs import ConfigOption, PluginInfo, hookimpl
+
+    @dataclasses.dataclass
+    class BoardConfig(DeviceConfig):
+        lanes: int = 4
+
+    def plugin(lanes: int) -> types.SimpleNamespace:
+        @hookimpl
+        def kunlun_infer_plugin_info():
+            return PluginInfo(name="boardmaker", version="1.0", api=">=1.0,<2")
+
+        @hookimpl
+        def kunlun_infer_config_options():
+            return [ConfigOption(group="device", name="board", node=BoardConfig(name="board", lanes=lanes))]
+
+        return types.SimpleNamespace(kunlun_infer_plugin_info=kunlun_infer_plugin_info,
+                                     kunlun_infer_config_options=kunlun_infer_config_options)
+
+    with pytest.raises(ConfigError, match="device=board: no such option"):
+        compose_config(["device=board"], plugin_manager=builtins_only)
+    for lanes in (8, 16):  # the same overrides with the plugin's option, then with another value of it
+        manager = PluginManager.load(entry_points=False)
+        manager.register(plugin(lanes))
+        assert compose_config(["device=board"], plugin_manager=manager).device.lanes == lanes
+    with pytest.raises(ConfigError, match="device=board: no such option"):
+        compose_config(["device=board"], plugin_manager=builtins_only)
 
 
 def test_compose_inside_an_application_using_hydra_main(tmp_path):
