@@ -127,6 +127,8 @@ def check(release: str, venvs: Path, log) -> dict:
         row["ok"] = done.returncode == 0
         if not row["ok"]:
             log(done.stdout[-4000:])
+            if done.stderr.strip():  # a crash's traceback of every thread (pytest's faulthandler) lands here
+                log(f"stderr of the core tests on torch {release}:\n{done.stderr[-6000:]}")
     except (RuntimeError, subprocess.CalledProcessError, OSError) as exc:
         row["tests"] = f"not run: {exc}".splitlines()[0]
         log(str(exc))
