@@ -130,20 +130,22 @@ def test_native_gemm_matches_f_linear_for_every_row_count(native_kernel_set, dty
                                  dtype=dtype)
 
 
+@pytest.mark.parametrize("rows", [18, 100])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_kernel_set, dtype):
+def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_kernel_set, dtype, rows):
     """With AVX2 a GEMM of more rows than one block takes K in chunks of 256 (600 features: three, the last
     ragged) and keeps the sums between chunks: the same additions in the same order as a call with one
-    block of 4-6 rows (one pass over K), so 18 rows at once equal three calls of 6 bit for bit."""
+    block of 4-6 rows (one pass over K), so 18 rows at once equal three calls of 6 bit for bit. 100 rows are
+    packed 96 at a time, the last block of 4 rows short."""
     if dtype is torch.bfloat16 and cpu_native.selection().bf16_linear != "native":
         assert native_kernel_set == "amx"
         return
     g = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(40, 600, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
-    x = torch.randn(18, 600, generator=g).to(dtype)
+    x = torch.randn(rows, 600, generator=g).to(dtype)
     packed = cpu_gemm.pack(weight)
     together = cpu_gemm.linear(x, packed, bias)
-    apart = torch.cat([cpu_gemm.linear(x[i:i + 6], packed, bias) for i in range(0, 18, 6)])
+    apart = torch.cat([cpu_gemm.linear(x[i:i + 6], packed, bias) for i in range(0, rows, 6)])
     assert torch.equal(together, apart)
     exact = F.linear(x.double(), weight.double(), bias.double())
     rounding = 2.0 ** -8 if dtype is torch.bfloat16 else 2.0 ** -20  # the output's own rounding, and some
