@@ -1,4 +1,24 @@
-"""Source code of small outside plugins, installed by tests as temporary distributions."""
+"""Source code of small outside plugins, installed by tests as temporary distributions; and a plugin object
+that contributes config options, for a test to register by code."""
+
+import types
+
+
+def options_plugin(*options) -> types.SimpleNamespace:
+    """A plugin ("boardmaker") whose only contribution is ``options`` (:class:`ConfigOption`)."""
+    from kunlun_infer.hookspecs import PluginInfo, hookimpl
+
+    @hookimpl
+    def kunlun_infer_plugin_info():
+        return PluginInfo(name="boardmaker", version="1.0", api=">=1.0,<2")
+
+    @hookimpl
+    def kunlun_infer_config_options():
+        return list(options)
+
+    return types.SimpleNamespace(kunlun_infer_plugin_info=kunlun_infer_plugin_info,
+                                 kunlun_infer_config_options=kunlun_infer_config_options)
+
 
 COUNTING_MEMORY = '''
 import dataclasses

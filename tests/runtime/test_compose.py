@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import types
 
 import pytest
 from hydra.core.config_store import ConfigStore
@@ -123,29 +122,19 @@ def test_the_same_overrides_again_give_an_equal_config_of_its_own(builtins_only)
 
 def test_a_plugin_option_registered_later_composes_with_the_same_overrides(builtins_only):
     from kunlun_infer.config import DeviceConfig
-    from kunlun_infer.hookspecs import ConfigOption, PluginInfo, hookimpl
+    from kunlun_infer.hookspecs import ConfigOption
+    from tests.runtime.plugin_sources import options_plugin
 
     @dataclasses.dataclass
     class BoardConfig(DeviceConfig):
         lanes: int = 4
 
-    def plugin(lanes: int) -> types.SimpleNamespace:
-        @hookimpl
-        def kunlun_infer_plugin_info():
-            return PluginInfo(name="boardmaker", version="1.0", api=">=1.0,<2")
-
-        @hookimpl
-        def kunlun_infer_config_options():
-            return [ConfigOption(group="device", name="board", node=BoardConfig(name="board", lanes=lanes))]
-
-        return types.SimpleNamespace(kunlun_infer_plugin_info=kunlun_infer_plugin_info,
-                                     kunlun_infer_config_options=kunlun_infer_config_options)
-
     with pytest.raises(ConfigError, match="device=board: no such option"):
         compose_config(["device=board"], plugin_manager=builtins_only)
     for lanes in (8, 16):  # the same overrides with the plugin's option, then with another value of it
         manager = PluginManager.load(entry_points=False)
-        manager.register(plugin(lanes))
+        manager.register(options_plugin(ConfigOption(group="device", name="board",
+                                                     node=BoardConfig(name="board", lanes=lanes))))
         assert compose_config(["device=board"], plugin_manager=manager).device.lanes == lanes
     with pytest.raises(ConfigError, match="device=board: no such option"):
         compose_config(["device=board"], plugin_manager=builtins_only)

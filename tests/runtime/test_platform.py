@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import types
 
 import pytest
 import yaml
@@ -11,9 +10,10 @@ import yaml
 from kunlun_infer import ConfigError, PluginError, compose_config
 from kunlun_infer.cli import main
 from kunlun_infer.config import PlatformConfig
-from kunlun_infer.hookspecs import CAPABILITIES, ConfigOption, PluginInfo, hookimpl
+from kunlun_infer.hookspecs import CAPABILITIES, ConfigOption
 from kunlun_infer.runtime import PluginManager
 from kunlun_infer.runtime.options import packaged_options
+from tests.runtime.plugin_sources import options_plugin
 
 
 def choices(cfg) -> dict[str, str]:
@@ -48,26 +48,13 @@ def test_an_unknown_platform_lists_the_ones_there_are():
         compose_config(["platform=tpu"])
 
 
-def _plugin(option: ConfigOption) -> types.SimpleNamespace:
-    @hookimpl
-    def kunlun_infer_plugin_info():
-        return PluginInfo(name="boardmaker", version="1.0", api=">=1.0,<2")
-
-    @hookimpl
-    def kunlun_infer_config_options():
-        return [option]
-
-    return types.SimpleNamespace(kunlun_infer_plugin_info=kunlun_infer_plugin_info,
-                                 kunlun_infer_config_options=kunlun_infer_config_options)
-
-
 def test_a_plugin_adds_its_own_platform_through_the_config_options_hook(tmp_path):
     from kunlun_infer import LLM
     from tests.engine.tiny_models import build_tiny_model, engine_overrides
 
     board = PlatformConfig(name="board", device="cpu", memory="simple", ops="torch", comm="single", streams="sync")
     manager = PluginManager.load(entry_points=False)
-    manager.register(_plugin(ConfigOption(group="platform", name="board", node=board)))
+    manager.register(options_plugin(ConfigOption(group="platform", name="board", node=board)))
     cfg = compose_config(["platform=board", *engine_overrides(), f"model.path={build_tiny_model(tmp_path, 'llama')}"],
                          plugin_manager=manager)
     assert choices(cfg) == {"device": "cpu", "memory": "simple", "ops": "torch", "comm": "single",
@@ -84,4 +71,4 @@ def test_a_plugin_adds_its_own_platform_through_the_config_options_hook(tmp_path
 def test_a_malformed_platform_option_is_the_plugins_load_error(node, why):
     manager = PluginManager.load(entry_points=False)
     with pytest.raises(PluginError, match=why):
-        manager.register(_plugin(ConfigOption(group="platform", name="half", node=node)))
+        manager.register(options_plugin(ConfigOption(group="platform", name="half", node=node)))
