@@ -250,6 +250,21 @@ def test_int8_kernel_equals_the_reference_bit_for_bit(native_kernel_set, dtype, 
     assert torch.equal(cpu_kernels.int8_linear(zero_rows, packed, bias), bias.expand(2, -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_kernel_rounds_activations_half_to_even(native_kernel_set, dtype):
+    # max |x| = 127 makes the row's scale 1, so every x below is a tie: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, ...; a
+    # kernel that rounded halves away from zero would multiply other integers than the reference
+    halves = torch.arange(-20, 20, dtype=torch.float32) + 0.5
+    x = torch.cat([torch.tensor([127.0]), halves, halves.flip(0)]).reshape(3, 27).to(dtype)
+    x[1:, 0] = -127.0
+    qx, x_scale = reference.quantize_int8(x.float())
+    assert torch.equal(x_scale, torch.ones(3)) and qx.flatten()[1:5].tolist() == [-20, -18, -18, -16]
+    g = torch.Generator().manual_seed(5)
+    q, scale = reference.quantize_int8(torch.randn(40, 27, generator=g))
+    got = cpu_kernels.int8_linear(x, cpu_kernels.pack_int8_linear_weight(q, scale))
+    assert torch.equal(got, reference.int8_linear(x, (q, scale)))
+
+
 def test_int8_linear_without_native_kernels_is_the_reference(kernel_set):
     q, scale = reference.quantize_int8(torch.randn(16, 12))
     packed = cpu_kernels.pack_int8_linear_weight(q, scale)
