@@ -13,15 +13,15 @@
  * OpenMP threads. A decode step (M <= MR) reads each weight exactly once, at memory speed; a prefill
  * reuses each tile from cache for every block of rows, bounded by the FMA units.
  *
- * With AVX2 a prefill (M > MR) takes each tile KC reductions at a time: the chunk, widened to float32 once
- * when the weight is bf16, stays in the first-level cache while every block of rows multiplies it, and the
- * blocks' sums wait in a small float32 buffer between chunks; the additions and their order are those of
- * one pass. Measured on a Zen 3 EPYC (AVX2 only, FMA peak ~175 GFLOP/s), in turns against one pass over K,
- * at 48 and 256 rows of the 0.5B model's layer shapes: bf16 1.36-1.64x (65-73 -> 94-111 GFLOP/s),
- * float32 1.0-1.2x. While the blocks multiply one chunk, the weight's next chunk is asked for, a share per
- * block; with 96 rows per pass over the weight (MC), rows packed in order and the chunk loop unrolled twice,
- * the same GEMMs at 256 rows took 1.39x less time again (bf16 104-127 -> 136-144 GFLOP/s, 77-80% of the
- * probe beside them; float32 73-110 -> 107-128), the results bit for bit the same.
+ * With AVX2 a prefill (M > MR; bf16 from 9 rows, see chunked) takes each tile KC reductions at a time: the chunk,
+ * widened to float32 once when the weight is bf16, stays in the first-level cache while every block of rows
+ * multiplies it, and the blocks' sums wait in a small float32 buffer between chunks; the additions and their order
+ * are those of one pass. Measured on a Zen 3 EPYC (AVX2 only, FMA peak ~175 GFLOP/s), in turns against one pass
+ * over K, at 48 and 256 rows of the 0.5B model's layer shapes: bf16 1.36-1.64x (65-73 -> 94-111 GFLOP/s), float32
+ * 1.0-1.2x. While the blocks multiply one chunk, the weight's next chunk is asked for, a share per block; with 96
+ * rows per pass over the weight (MC), rows packed in order and the chunk loop unrolled twice, the same GEMMs at 256
+ * rows took 1.39x less time again (bf16 104-127 -> 136-144 GFLOP/s, 77-80% of the probe beside them; float32 73-110
+ * -> 107-128), the results bit for bit the same.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -191,6 +191,12 @@ INLINE void block_of_rows(const float *a, const void *w, const int wkind, int64_
 /* reductions per chunk of a prefill's tile: KC x NR float32 weights (16 KiB) and a block's KC x MR rows
  * (6 KiB) fit the first-level cache together */
 #define KC 256
+/* Rows from which a GEMM takes its tiles in chunks: more than MR, and with bf16 weights at least MR + 3.
+ * Below, the blocks read each tile whole (a bf16 decode step of 7 or 8 rows: 6, then 1 or 2 rows whose sets
+ * of sums take turns over K, which the chunks' one set cannot). Zen 3, in turns, a whole 0.5B model's GEMMs
+ * (every weight its own copy, 1 GB of bf16 streamed as a decode step does): bf16 at 7 and 8 rows took 12-19%
+ * less time whole than in chunks, even at 9 rows, the chunks faster from 10; float32 at 8 rows 2-5% slower. */
+INLINE int chunked(int64_t m, const int wkind) { return m > MR + (wkind == WEIGHT_BF16 ? 2 : 0); }
 
 /* C [rows][NR] (float32 sums so far) += A [kc][MR] (the first `rows` lanes) @ Wf [kc][NR] (float32) */
 INLINE void chunk_kernel(const float *a, const float *wf, int64_t kc, float *c, const int rows) {
@@ -277,7 +283,7 @@ INLINE int gemm(const void *p, const int wkind, const void *x, const int xbf16, 
             const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
             const float *b = bias ? bias + col : NULL;
 #if VLEN == 8
-            if (m > MR) {
+            if (chunked(m, wkind)) {
                 void *yt = (char *)y + (m0 * n + col) * (xbf16 ? 2 : 4);
                 tile_in_chunks(packed, blocks, mc, w, wkind, k, b, yt, n, cols, xbf16);
                 continue;
