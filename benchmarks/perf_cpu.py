@@ -569,8 +569,8 @@ def derive(result: dict[str, Any], shape: Shape, args: argparse.Namespace) -> No
     """Bounds from the machine: tokens/s the fp32 peak allows per workload, weight-streaming time per step."""
     machine = result["machine"]
     peak = machine.get("fma_peak_flops") or machine["torch_fp32_matmul_flops"]
-    for num in args.requests:
-        requests = make_requests(num, shape.vocab, args.seed, output_range=args.outputs)
+    workloads = {num: make_requests(num, shape.vocab, args.seed, output_range=args.outputs) for num in args.requests}
+    for num, requests in workloads.items():
         result[f"req{num}_fp32_bound_tok_s"] = requests.useful_tokens / (requests.flops(shape) / peak)
     probes = [p for entry in result["kunlun"].values() for p in entry.get("read_bytes_per_s_probes", [])]
     machine["read_bytes_per_s"] = max([machine["read_bytes_per_s"], *probes])
@@ -578,9 +578,8 @@ def derive(result: dict[str, Any], shape: Shape, args: argparse.Namespace) -> No
         entry["streaming_ms"] = 1e3 * entry["decode_bytes"] / machine["read_bytes_per_s"]
         if dtype == "bfloat16" and peak:
             entry["decode_b8_over_b1_roofline"] = b8_over_b1_roofline(entry, shape, machine, peak)
-        for num in args.requests:
+        for num, requests in workloads.items():
             entry[f"req{num}_of_fp32_bound"] = entry[f"req{num}"]["tokens_per_s"] / result[f"req{num}_fp32_bound_tok_s"]
-            requests = make_requests(num, shape.vocab, args.seed, output_range=args.outputs)
             entry[f"req{num}_roofline_tok_s"] = requests.useful_tokens / requests.roofline_seconds(
                 shape, peak, entry["decode_bytes"], machine["read_bytes_per_s"])
 
