@@ -4,8 +4,8 @@
  * Built by cpu_native.py, called by cpu_gemm.py. Weights are float32, or bf16 widened to float32 in
  * registers (where the kernel set has no AVX512-BF16 dot product; gemm_bf16.c serves bf16 there). Both
  * are packed once into tiles of NR = 2 * VLEN output features, [ceil(N / NR)][K][NR], so one tile of a
- * weight is one sequential stream. A bf16 tile keeps outputs j and j + VLEN in one 32-bit lane: a shift
- * and a mask turn one load into the two float32 vectors.
+ * weight is one sequential stream. A bf16 tile keeps outputs j and j + VLEN in one 32-bit lane: shifts
+ * turn one load into the two float32 vectors.
  *
  * The rows of X are taken MC at a time and packed to float32 in blocks of MR rows, [K][MR], so the
  * micro-kernel broadcasts each row's value from one contiguous stream; it keeps an MR x NR block of Y
@@ -112,8 +112,12 @@ INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w
         *w1 = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)));
 #else
         const __m256i pair = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + q * NR));
-        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-        *w1 = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32((int)0xFFFF0000u)));
+        /* the high half kept by clearing the low one with itself, not with a mask: a block of 6 rows has 12 sums,
+         * two weight vectors and a broadcast in the 16 registers, and a mask's register had made GCC spill a sum
+         * (its every step then waited on a store and a load) */
+        const __m256i low = _mm256_slli_epi32(pair, 16);
+        *w0 = _mm256_castsi256_ps(low);
+        *w1 = _mm256_castsi256_ps(_mm256_xor_si256(pair, _mm256_srli_epi32(low, 16)));
 #endif
     } else {
         *w0 = vf_loadu((const float *)w + q * NR);
@@ -270,14 +274,16 @@ INLINE void tile_in_chunks(const float *a, int64_t blocks, int64_t mc, const voi
 }
 #endif
 
-/* Y [M, N] = X [M, K] @ W^T + bias; X and Y bf16 (xbf16) or float32; W packed by kunlun_pack_*. Returns -1
- * (having written nothing) if the row buffer cannot be allocated, else 0. */
-INLINE int gemm(const void *p, const int wkind, const void *x, const int xbf16, const float *bias, void *y,
-                int64_t m, int64_t n, int64_t k) {
+/* The row buffer of a GEMM of M rows: MC rows at a time, in whole blocks (NULL without memory). */
+static float *row_buffer(int64_t m, int64_t k) {
+    return (float *)malloc(sizeof(float) * (size_t)(m < MC ? (m + MR - 1) / MR * MR : MC) * (size_t)k);
+}
+
+/* Y [M, N] = X [M, K] @ W^T + bias; X and Y bf16 (xbf16) or float32; W packed by kunlun_pack_*; `packed` from
+ * row_buffer. Every thread of the team calls it (the tiles are shared among them). */
+INLINE void gemm_share(const void *p, const int wkind, const void *x, const int xbf16, const float *bias, void *y,
+                       int64_t m, int64_t n, int64_t k, float *packed) {
     const int64_t tiles = (n + NR - 1) / NR, welem = wkind == WEIGHT_BF16 ? 2 : 4;
-    float *packed = (float *)malloc(sizeof(float) * (size_t)(m < MC ? (m + MR - 1) / MR * MR : MC) * (size_t)k);
-    if (packed == NULL) return -1;
-    #pragma omp parallel if (m * n * k >= 32768)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;
         /* full blocks of MR rows, then the rest (8 rows: 6 + 2, whose 2 rows take turns over K): measured
@@ -307,20 +313,33 @@ INLINE int gemm(const void *p, const int wkind, const void *x, const int xbf16, 
             }
         }
     }
-    free(packed);
-    return 0;
 }
+
+/* The exported GEMMs each open their own parallel region: OpenMP outlines a region before anything is inlined,
+ * so one region in a function both weight kinds share had become one outlined body taking the weight kind (and
+ * with it the widening and the reductions per pass) as a variable inside the micro-kernel's loop. Zen 3, in turns
+ * against that build, bit for bit the same: a block of 6 rows from cache bf16 85-91 -> 102-111 GFLOP/s (with the
+ * widening in weight_pair), float32 92 -> 129; a whole 0.5B model's bf16 GEMMs streamed at 8 rows 98.6 -> 87.7 ms
+ * (medians of 6 turns), 1 row 60.5 -> 58.2. Each returns -1 (having written nothing) if the row buffer cannot be
+ * allocated, else 0. */
+#define GEMM_PARALLEL(wkind, xbf16)                                        \
+    float *packed = row_buffer(m, k);                                      \
+    if (packed == NULL) return -1;                                         \
+    _Pragma("omp parallel if (m * n * k >= 32768)")                        \
+    gemm_share(p, wkind, x, xbf16, bias, y, m, n, k, packed);              \
+    free(packed);                                                          \
+    return 0;
 
 /* Y [M, N] float32 = X [M, K] float32 @ W^T + bias, W packed by kunlun_pack_f32. */
 int kunlun_gemm_f32(const float *p, const float *x, const float *bias, float *y, int64_t m, int64_t n, int64_t k) {
-    return gemm(p, WEIGHT_F32, x, 0, bias, y, m, n, k);
+    GEMM_PARALLEL(WEIGHT_F32, 0)
 }
 
 #if !defined(__AVX512BF16__)
 /* Y [M, N] bf16 = X [M, K] bf16 @ W^T + bias (float32 or NULL), W packed by kunlun_pack_bf16. */
 int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y, int64_t m, int64_t n,
                      int64_t k) {
-    return gemm(p, WEIGHT_BF16, x, 1, bias, y, m, n, k);
+    GEMM_PARALLEL(WEIGHT_BF16, 1)
 }
 #endif
 
