@@ -39,21 +39,63 @@ def test_paged_attention_matches_reference(seqs, hq, hk, kernel_set):
                                rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("limit", [0, 16, 10_000])  # every prompt through SDPA / some / none
-def test_prompts_long_and_short_take_their_own_kernel_and_agree(limit, kernel_set, monkeypatch):
-    """Short prompts run row by row with the decode rows, longer ones through SDPA; a batch mixing them (with a
-    cached prefix, chunked prefill and decode rows) matches the reference either way."""
-    monkeypatch.setattr(cpu_attention, "NATIVE_PROMPT_CONTEXT", limit)
-    calls = []
-    sdpa = cpu_attention.prefill_attention
-    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a: calls.append(a[-2]) or sdpa(*a))
+def test_prompts_take_the_native_prompt_kernel_in_one_call_and_agree(kernel_set, monkeypatch):
+    """With native kernels every sequence with new tokens beyond one (prompts, a chunk after a cached prefix) goes to
+    the prompt kernel in one call and the decode rows to the decode kernel, SDPA never; without them each prompt runs
+    one SDPA. A batch mixing them matches the reference either way."""
+    sdpa, prompt_kernel = [], []
+    original_sdpa, original_kernel = cpu_attention.prefill_attention, cpu_attention.native_prompt_attention
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a: sdpa.append(a[-2]) or original_sdpa(*a))
+    monkeypatch.setattr(cpu_attention, "native_prompt_attention",
+                        lambda *a: prompt_kernel.append(list(a[6])) or original_kernel(*a))
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        calls.clear()
+        sdpa.clear(), prompt_kernel.clear()
         args = _batch([(12, 4), (7, 1), (40, 40), (3, 3), (30, 9), (1, 1)], hq=14, hk=2, dtype=dtype)
         torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
                                    rtol=tol, atol=tol)
-        native = kernel_set != "torch"
-        assert sorted(calls) == ([3, 12, 30, 40] if limit == 0 or not native else [30, 40] if limit == 16 else [])
+        if kernel_set == "torch":
+            assert sorted(sdpa) == [3, 12, 30, 40] and not prompt_kernel
+        else:
+            assert prompt_kernel == [[4, 40, 3, 9]] and not sdpa
+
+
+@pytest.mark.parametrize("seqs", [
+    [(300, 300)],  # a prompt longer than a block of keys and of queries, keys past several cache blocks
+    [(700, 257), (5, 2), (64, 1)],  # a chunk after a cached prefix, drafts, a decode row
+    [(129, 129), (2, 2)],  # a block of query rows ending one short of a block of keys
+])
+@pytest.mark.parametrize("hq, hk, d, block_size", [(14, 2, 64, 16), (8, 8, 32, 5), (64, 1, 128, 16), (3, 1, 48, 7)])
+def test_native_prompt_attention_matches_reference_on_long_prompts(seqs, hq, hk, d, block_size, native_kernel_set):
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+        args = _batch(seqs, hq=hq, hk=hk, d=d, block_size=block_size, dtype=dtype)
+        torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
+                                   rtol=tol, atol=tol)
+
+
+def test_native_prompt_attention_reads_only_its_rows_and_blocks(native_kernel_set):
+    """Rows of sequences not given are neither read nor written, nor are cache blocks no given sequence owns."""
+    q, k_cache, v_cache, tables, lens, qsl, scale = _batch([(9, 9), (20, 6)], hq=4, hk=2, d=16, block_size=4)
+    expected = reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale)
+    unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    unused[tables[1, :5].long()] = False
+    k_cache[unused] = float("nan")
+    v_cache[unused] = float("nan")
+    q[:9] = float("nan")  # the first sequence's rows: not given
+    out = torch.full_like(q, 7.0)
+    assert cpu_attention.native_prompt_attention(q, k_cache, v_cache, tables[1:], lens[1:], [9], [6], out, scale)
+    torch.testing.assert_close(out[9:], expected[9:], rtol=1e-5, atol=1e-5)
+    assert bool((out[:9] == 7.0).all())
+
+
+def test_native_prompt_attention_refuses_what_it_cannot_read(native_kernel_set):
+    q, k_cache, v_cache, tables, lens, qsl, scale = _batch([(9, 9), (20, 6)], hq=4, hk=2, d=16, block_size=4)
+    out = torch.empty_like(q)
+    bad_block = tables.clone()
+    bad_block[1, 4] = k_cache.shape[0]  # a block id past the cache, inside the context
+    for table, seq_lens, counts in ((bad_block, lens, [9, 6]), (tables, lens, [9, 21]),  # more new tokens than context
+                                    (tables, torch.tensor([9, 4 * tables.shape[1] + 1]), [9, 6])):  # past the table
+        with pytest.raises(IndexError, match="block"):
+            cpu_attention.native_prompt_attention(q, k_cache, v_cache, table, seq_lens, [0, 9], counts, out, scale)
 
 
 @pytest.mark.parametrize("d, block_size", [(32, 16), (64, 5), (48, 16), (16, 4), (8, 4)])  # head size 8: no native kernel

@@ -1,34 +1,36 @@
-"""``paged_attention`` for the host CPU: decode straight from the paged cache, long prompts through SDPA.
+"""``paged_attention`` for the host CPU: decode and prompts straight from the paged cache, in native kernels.
 
 Decode tokens of the whole batch go to the C kernel of
 ``native/paged_decode_attention.c``, which reads each cached key and value
 once, in place, through the block tables (no gathered copy), for all query
-heads sharing a KV head, in float32. Without it (no native library, fp16,
-head size not a multiple of 16) they run as one SDPA over their
-block-gathered K/V (``index_select`` of the blocks in use) in the cache's
-dtype — the CPU SDPA kernel accumulates low precision in float32 itself —
-with the ``Hq / Hk`` query heads of a KV head folded into the query-length
-axis, so K/V are never repeated per query head. Prompts of up to
-``NATIVE_PROMPT_CONTEXT`` tokens of context go to the same kernel with the
-decode rows, in one call, each of their rows a one-token query over the
-prefix it may see (its position + 1 tokens: causal by construction, a
-cached prefix included). Longer prompts run one SDPA each: plain causal
-without a cached prefix, bottom-right causal mask with one.
+heads sharing a KV head, in float32. The new tokens of the other sequences
+(prompts, prompt chunks after a cached prefix, speculative drafts) go, all
+in one call, to ``native/paged_prefill_attention.c``: blocks of queries
+against blocks of keys as two small GEMMs with an online softmax, so each
+cached key and value is read once per block of queries. Measured in turns
+(``benchmarks/prompt_attention.py``; 2-core AMD EPYC Zen 4, 14 query heads
+over 2 KV heads, head size 64) at 64-2048 tokens: 1.1-2.6x faster with
+AVX-512 and 1.3-3.0x with AVX2 than running each prompt row as a decode
+query (what served prompts of up to 512 tokens before), 1.6-3.0x and
+1.3-2.3x faster than torch's SDPA (what served longer ones); a 16-token
+prompt takes ~20 us more than as rows.
+Without the native kernels (no library, fp16, head size not a multiple of
+16) decode rows run as one SDPA over their block-gathered K/V (``index_select``
+of the blocks in use) in the cache's dtype — the CPU SDPA kernel accumulates
+low precision in float32 itself — with the ``Hq / Hk`` query heads of a KV
+head folded into the query-length axis, so K/V are never repeated per query
+head; and each prompt runs one SDPA: plain causal without a cached prefix,
+bottom-right causal mask with one.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kunlun_infer.plugins import cpu_native
-
-
-#: prompts with at most this many tokens of context run row by row through the native decode kernel (each row a
-#: one-token query over its own prefix), longer ones through SDPA. Measured (2 threads, 14 query heads over 2 KV
-#: heads, head size 64): the rows are 2x faster than SDPA at 32-256 tokens in bf16 and 1.2-1.6x in float32, and
-#: no faster at 1024 (slower with AVX2), where SDPA's blocked kernel reuses each key for many queries.
-NATIVE_PROMPT_CONTEXT = 512
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Tensor:
@@ -37,15 +39,25 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Te
     return blocks.view(rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
-def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """Decode attention by ``native/paged_decode_attention.c``, reading K/V in place through the block
-    tables; ``None`` when that kernel does not apply (library, dtype or head size)."""
+def _native_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Any:
+    """The native kernels if both attention kernels apply to these tensors (dtype, head size, layout), else
+    ``None``."""
     dtype = k_cache.dtype
     lib = cpu_native.library()
     if (lib is None or dtype not in (torch.bfloat16, torch.float32) or v_cache.dtype != dtype
             or q.shape[-1] % 16 or q.shape[-1] != k_cache.shape[-1] or k_cache.shape != v_cache.shape
             or q.shape[1] % k_cache.shape[2] or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return None
+    return lib
+
+
+def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Decode attention by ``native/paged_decode_attention.c``, reading K/V in place through the block
+    tables; ``None`` when that kernel does not apply (library, dtype or head size)."""
+    dtype = k_cache.dtype
+    lib = _native_library(q, k_cache, v_cache)
+    if lib is None:
         return None
     batch, num_q_heads, head_dim = q.shape
     query = q.to(dtype).contiguous()
@@ -62,6 +74,33 @@ def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if status != 0:
         raise MemoryError(f"paged decode attention could not allocate its scratch for {batch} sequences")
     return out
+
+
+def native_prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, q_starts: list[int], q_lens: list[int],
+                            out: torch.Tensor, scale: float) -> bool:
+    """The rows ``q_starts[i] .. + q_lens[i]`` of ``q`` (``[T, Hq, D]``, in the cache's dtype, contiguous) of the
+    sequences whose tables and context lengths are given, written into the same rows of ``out`` by
+    ``native/paged_prefill_attention.c`` (K/V read in place, once per block of queries); ``False``, having done
+    nothing, when that kernel does not apply."""
+    lib = _native_library(q, k_cache, v_cache)
+    if lib is None:
+        return False
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    starts = torch.tensor(q_starts, dtype=torch.int32)
+    counts = torch.tensor(q_lens, dtype=torch.int32)
+    status = lib.kunlun_paged_prefill_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(), tables.shape[1],
+        lens.data_ptr(), starts.data_ptr(), counts.data_ptr(), out.data_ptr(), len(q_lens), q.shape[1],
+        k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, k_cache.dtype is torch.bfloat16)
+    if status == -2:
+        raise IndexError(f"paged_attention: a sequence's context ({seq_lens.tolist()}) is shorter than its new tokens "
+                         f"({q_lens}), reaches past its block table, or a block id is outside the cache's "
+                         f"{k_cache.shape[0]} blocks")
+    if status != 0:
+        raise MemoryError(f"paged prompt attention could not allocate its scratch for {len(q_lens)} sequences")
+    return True
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -104,55 +143,36 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out[0].transpose(0, 1)
 
 
-def _native_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 qsl: list[int], lens: list[int], seqs: list[int], scale: float) -> torch.Tensor | None:
-    """The query rows of sequences ``seqs`` through the native kernel, each row as its own one-token query over
-    the context it may see (its position + 1 tokens): ``[rows, Hq, D]`` in the order of ``seqs``, or ``None``
-    when the kernel does not apply."""
-    counts = [qsl[i + 1] - qsl[i] for i in seqs]
-    if len(seqs) == len(lens) and qsl[0] == 0:  # every row of the batch, in order: no gather
-        rows = q
-    else:
-        rows = q.index_select(0, torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in seqs]).to(q.device))
-    ids = torch.tensor(seqs, device=q.device).repeat_interleave(torch.tensor(counts, device=q.device))
-    row_lens = torch.cat([torch.arange(lens[i] - n + 1, lens[i] + 1, dtype=torch.int32)
-                          for i, n in zip(seqs, counts)]).to(q.device)
-    used = -(-max(lens[i] for i in seqs) // k_cache.shape[1])  # a row's table: only the blocks any row reads
-    return native_decode_attention(rows, k_cache, v_cache, block_tables[:, :used].index_select(0, ids), row_lens,
-                                   scale)
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention over paged K/V; same contract as the reference ``paged_attention``."""
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    num_seqs = len(lens)
-    q_lens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
     if all(n == 1 for n in q_lens):  # decode only: one query per sequence, rows in sequence order
         return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale).to(q.dtype)
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    prompts = [i for i, n in enumerate(q_lens) if n > 1]
+    rows = torch.tensor([qsl[i] for i in decode], dtype=torch.long, device=q.device)
+    ids = torch.tensor(decode, dtype=torch.long, device=q.device)
+    if _native_library(q, k_cache, v_cache) is not None:
+        query = q.to(k_cache.dtype).contiguous()
+        out = torch.empty_like(query)
+        if prompts:
+            chosen = torch.tensor(prompts, dtype=torch.long, device=q.device)
+            native_prompt_attention(query, k_cache, v_cache, block_tables.index_select(0, chosen),
+                                    seq_lens.index_select(0, chosen), [qsl[i] for i in prompts],
+                                    [q_lens[i] for i in prompts], out, scale)
+        if decode:
+            out[rows] = native_decode_attention(query.index_select(0, rows), k_cache, v_cache,
+                                                block_tables.index_select(0, ids), seq_lens.index_select(0, ids),
+                                                scale)
+        return out.to(q.dtype)
     out = torch.empty_like(q)
-    # decode rows and prompts of up to NATIVE_PROMPT_CONTEXT tokens of context: one native call, row by row
-    short = [i for i, n in enumerate(q_lens) if n == 1 or lens[i] <= NATIVE_PROMPT_CONTEXT]
-    native = _native_rows(q, k_cache, v_cache, block_tables, qsl, lens, short, scale) if short else None
-    if native is not None:
-        if len(short) == num_seqs:
-            return native.to(q.dtype)
-        rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in short]).to(q.device)
-        out[rows] = native.to(q.dtype)
-        done = set(short)
-    else:
-        done = {i for i, n in enumerate(q_lens) if n == 1}
-        if done:
-            decode = sorted(done)
-            rows = torch.tensor([qsl[i] for i in decode], device=q.device)
-            idx = torch.tensor(decode, device=q.device)
-            out[rows] = decode_attention(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, idx),
-                                         seq_lens.index_select(0, idx), max(lens[i] for i in decode),
-                                         scale).to(q.dtype)
-    for i, n in enumerate(q_lens):
-        if i not in done:
-            start, end = qsl[i], qsl[i + 1]
-            out[start:end] = prefill_attention(q[start:end], k_cache, v_cache, block_tables[i], lens[i],
-                                               scale).to(q.dtype)
+    if decode:
+        out[rows] = decode_attention(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, ids),
+                                     seq_lens.index_select(0, ids), max(lens[i] for i in decode), scale).to(q.dtype)
+    for i in prompts:
+        out[qsl[i]:qsl[i + 1]] = prefill_attention(q[qsl[i]:qsl[i + 1]], k_cache, v_cache, block_tables[i], lens[i],
+                                                   scale).to(q.dtype)
     return out

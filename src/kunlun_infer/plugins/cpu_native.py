@@ -81,6 +81,8 @@ SIGNATURES = {
     "kunlun_gemm_int8": ([_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),
     "kunlun_paged_decode_attention": ([_P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                        ctypes.c_float, ctypes.c_int], ctypes.c_int),
+    "kunlun_paged_prefill_attention": ([_P, _P, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                                        ctypes.c_float, ctypes.c_int], ctypes.c_int),
     "kunlun_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int], None),
     "kunlun_silu_and_mul": ([_P, _P, _I64, _I64, ctypes.c_int], None),
     "kunlun_rotary": ([_P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int],

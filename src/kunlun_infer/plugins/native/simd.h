@@ -88,6 +88,11 @@ INLINE vf vf_transpose_sum(const vf *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e, f, 0x88), _mm512_shuffle_f32x4(e, f, 0xDD));
 }
 
+/* lanes where a > b take x, the others y */
+INLINE vf vf_select_gt(vf a, vf b, vf x, vf y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x);
+}
+
 INLINE vf vf_round_int(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 INLINE vf vf_pow2i(vf n) { return _mm512_scalef_ps(_mm512_set1_ps(1.0f), n); } /* 2^n, n integral */
 
@@ -179,6 +184,8 @@ INLINE vf vf_transpose_sum(const vf *v) {
     const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3); /* lanes: 0..3 | 0..3 per half */
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
+
+INLINE vf vf_select_gt(vf a, vf b, vf x, vf y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
 
 INLINE vf vf_round_int(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent field set directly */

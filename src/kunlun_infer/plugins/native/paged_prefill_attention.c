@@ -1,0 +1,347 @@
+/*
+ * Prompt attention straight from the paged KV cache: the new tokens of each sequence (a prompt, a prompt's chunk
+ * after a cached prefix, a speculative step's drafts) against all the context each may see, causal.
+ *
+ * Built for every kernel set by cpu_native.py (vectors of simd.h), called by cpu_attention.py. One work item is
+ * (sequence, KV head, block of query rows): the rows' query vectors of every query head sharing that KV head (up
+ * to QUERIES of them, "lanes") are transposed and held in float32 (scaled), or in bf16 pairs, so each cached key
+ * and value is read once per item, not once per query as the decode kernel reads it. The context is taken BK keys
+ * at a time (flash attention's online softmax):
+ * - the keys, widened to float32, multiply the queries as a GEMM whose rows are keys and whose vector lanes are
+ *   queries, S = K Q^T (bf16 keys with AVX512-BF16: as they are, in pairs, by VDPBF16PS);
+ * - the softmax runs down each lane: the block's max, the probabilities, the running max and sum per query, with
+ *   no horizontal sums; keys a query may not see (past its own position) get probability zero;
+ * - the values, widened to float32, are weighted by the probabilities as a second GEMM whose rows are queries and
+ *   whose lanes are features, O += P^T V, into float32 sums that stay in the thread's scratch (rescaled to each
+ *   new max) until the last block, then are divided by the sums and written as the queries' rows.
+ * Blocks past the item's last position are never read. Arithmetic is float32; K/V and q may be bf16 or float32.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define NR (2 * VLEN) /* query lanes per micro-kernel: two vectors */
+#if VLEN == 16
+#define MR 12 /* keys (first GEMM) or features (second) per micro-kernel: 2 * MR accumulators */
+#else
+#define MR 6
+#endif
+#define BK (8 * MR)   /* keys per block of the context */
+#define QUERIES 128   /* query vectors per work item, at most (more only when one row has more heads) */
+#define UNROLL _Pragma("GCC unroll 16")
+
+typedef struct {
+    int64_t seq, head, row0, rows, cost;
+} work_item;
+
+static int costlier_first(const void *a, const void *b) {
+    const int64_t x = ((const work_item *)a)->cost, y = ((const work_item *)b)->cost;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* S[r][lanes] = sum_c kf[r][c] * qt[c][lanes] for `keys` keys (rows of kf, d features each) and one tile of NR
+ * query lanes (qt [d][NR]) */
+INLINE void scores_tile(const float *kf, const float *qt, int64_t d, float *s, int64_t lds, const int keys) {
+    vf a0[MR], a1[MR];
+    UNROLL for (int r = 0; r < keys; r++) a0[r] = a1[r] = vf_zero();
+    for (int64_t c = 0; c < d; c++) {
+        const vf q0 = vf_loadu(qt + c * NR), q1 = vf_loadu(qt + c * NR + VLEN);
+        UNROLL for (int r = 0; r < keys; r++) {
+            const vf kr = vf_set1(kf[r * d + c]);
+            a0[r] = vf_fma(kr, q0, a0[r]);
+            a1[r] = vf_fma(kr, q1, a1[r]);
+        }
+    }
+    UNROLL for (int r = 0; r < keys; r++) {
+        vf_storeu(s + r * lds, a0[r]);
+        vf_storeu(s + r * lds + VLEN, a1[r]);
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* scores_tile for bf16 keys and queries, the reduction in pairs (kb [keys][d], qt2 [d / 2][NR] pairs of a query's
+ * features): VDPBF16PS, float32 sums, twice the FMAs' products per instruction; scaled as they are stored */
+INLINE void scores_tile_bf16(const uint16_t *kb, const uint32_t *qt2, int64_t d, float scale, float *s, int64_t lds,
+                             const int keys) {
+    __m512 a0[MR], a1[MR];
+    UNROLL for (int r = 0; r < keys; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d / 2; c++) {
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qt2 + c * NR);
+        const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qt2 + c * NR + VLEN);
+        UNROLL for (int r = 0; r < keys; r++) {
+            int32_t pair;
+            memcpy(&pair, kb + r * d + 2 * c, sizeof pair);
+            const __m512bh kr = (__m512bh)_mm512_set1_epi32(pair);
+            a0[r] = _mm512_dpbf16_ps(a0[r], q0, kr);
+            a1[r] = _mm512_dpbf16_ps(a1[r], q1, kr);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    UNROLL for (int r = 0; r < keys; r++) {
+        _mm512_storeu_ps(s + r * lds, _mm512_mul_ps(a0[r], sc));
+        _mm512_storeu_ps(s + r * lds + VLEN, _mm512_mul_ps(a1[r], sc));
+    }
+}
+#define DOT_BF16 1
+#else
+#define DOT_BF16 0
+#endif
+
+/* the scores of keys t .. t + R of a block for one tile of query lanes */
+#define SCORES_CASE(R) \
+    case R: \
+        if (dot) scores_pairs(w, t, d, scale, st, lds, R); \
+        else scores_tile(w->kf + t * d, qt, d, st + t * lds, lds, R); \
+        break;
+
+#if DOT_BF16
+#define scores_pairs(w, t, d, scale, st, lds, R) \
+    scores_tile_bf16((const uint16_t *)(w)->kf + (t) * (d), (const uint32_t *)(w)->qt + tile * ((d) / 2) * NR, d, \
+                     scale, (st) + (t) * (lds), lds, R)
+#else
+#define scores_pairs(w, t, d, scale, st, lds, R) ((void)0)
+#endif
+
+/* o[r][0 .. vecs * VLEN) += sum_t p[t][r] * vfl[t][0 .. vecs * VLEN) for `queries` queries (p's columns, o's rows,
+ * ldo apart) and one or two vectors of features (vfl rows d apart) */
+INLINE void values_tile(const float *p, int64_t ldp, const float *vfl, int64_t d, int64_t keys, float *o, int64_t ldo,
+                        const int queries, const int vecs) {
+    vf a0[MR], a1[MR];
+    UNROLL for (int r = 0; r < queries; r++) {
+        a0[r] = vf_loadu(o + r * ldo);
+        a1[r] = vecs > 1 ? vf_loadu(o + r * ldo + VLEN) : vf_zero();
+    }
+    for (int64_t t = 0; t < keys; t++) {
+        const vf v0 = vf_loadu(vfl + t * d), v1 = vecs > 1 ? vf_loadu(vfl + t * d + VLEN) : vf_zero();
+        UNROLL for (int r = 0; r < queries; r++) {
+            const vf pr = vf_set1(p[t * ldp + r]);
+            a0[r] = vf_fma(pr, v0, a0[r]);
+            if (vecs > 1) a1[r] = vf_fma(pr, v1, a1[r]);
+        }
+    }
+    UNROLL for (int r = 0; r < queries; r++) {
+        vf_storeu(o + r * ldo, a0[r]);
+        if (vecs > 1) vf_storeu(o + r * ldo + VLEN, a1[r]);
+    }
+}
+
+#define VALUES_CASE(R) \
+    case R: \
+        if (d - c >= NR) values_tile(s + i, lds, vfl + c, d, nk, w->o + i * d + c, d, R, 2); \
+        else values_tile(s + i, lds, vfl + c, d, nk, w->o + i * d + c, d, R, 1); \
+        break;
+
+/* the thread's scratch for items of up to `lanes` query lanes (a multiple of NR) and head size d */
+typedef struct {
+    float *qt, *o, *s, *kf, *vfl, *top, *sum, *qpos, *alpha;
+} scratch;
+
+static int scratch_alloc(scratch *w, int64_t lanes, int64_t d) {
+    const size_t f = sizeof(float);
+    w->qt = (float *)malloc(f * (size_t)(lanes * d));
+    w->o = (float *)malloc(f * (size_t)(lanes * d));
+    w->s = (float *)malloc(f * (size_t)(lanes * BK));
+    w->kf = (float *)malloc(f * (size_t)(BK * d + VLEN));
+    w->vfl = (float *)malloc(f * (size_t)(BK * d + VLEN));
+    w->top = (float *)malloc(f * (size_t)lanes);
+    w->sum = (float *)malloc(f * (size_t)lanes);
+    w->qpos = (float *)malloc(f * (size_t)lanes);
+    w->alpha = (float *)malloc(f * (size_t)lanes);
+    return w->alpha && w->qt && w->o && w->s && w->kf && w->vfl && w->top && w->sum && w->qpos;
+}
+
+static void scratch_free(scratch *w) {
+    free(w->alpha), free(w->qt), free(w->o), free(w->s), free(w->kf), free(w->vfl);
+    free(w->top), free(w->sum), free(w->qpos);
+}
+
+/* rows [t0, t0 + n) of one head of the cache, widened to float32 into dst [n][d] */
+INLINE void widen_rows(const void *cache, const int32_t *table, int64_t t0, int64_t n, int64_t h, int64_t hk,
+                       int64_t d, int64_t block_size, float *dst, const int bf16) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = t0 + t;
+        const int64_t row = (((int64_t)table[pos / block_size] * block_size + pos % block_size) * hk + h) * d;
+        for (int64_t c = 0; c < d; c += VLEN)
+            vf_store_n(dst + t * d, c, vf_load_n(cache, row + c, d - c, bf16), d - c, 0);
+    }
+}
+
+/* rows [t0, t0 + n) of one head of a bf16 cache, as they are, into dst [n][d] */
+INLINE void copy_rows(const void *cache, const int32_t *table, int64_t t0, int64_t n, int64_t h, int64_t hk, int64_t d,
+                      int64_t block_size, uint16_t *dst) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = t0 + t;
+        const int64_t row = (((int64_t)table[pos / block_size] * block_size + pos % block_size) * hk + h) * d;
+        memcpy(dst + t * d, (const uint16_t *)cache + row, sizeof(uint16_t) * (size_t)d);
+    }
+}
+
+INLINE void one_item(const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int64_t ctx,
+                     int64_t q_len, int64_t q_start, const work_item *it, void *out, int64_t hq, int64_t hk,
+                     int64_t d, int64_t block_size, float scale, scratch *w, const int bf16) {
+    const int64_t group = hq / hk, h = it->head, m = it->rows * group, lanes = (m + NR - 1) / NR * NR;
+    const int64_t tiles = lanes / NR, lds = lanes, first_pos = ctx - q_len + it->row0;
+    const int64_t last_pos = first_pos + it->rows - 1;
+    const int dot = bf16 && DOT_BF16;  /* bf16 keys and queries multiplied in pairs (scores_tile_bf16) */
+    /* the queries as tiles [tile][d][NR], scaled (or as bf16 pairs [tile][d / 2][NR], scaled with the scores); lane i
+     * is row i / group, head h * group + i % group; lanes past the item's queries are zero and stand at its last
+     * position (finite scores, never written out) */
+    for (int64_t i = 0; i < lanes; i++) {
+        const int64_t tile = i / NR, lane = i % NR;
+        const int64_t at = ((q_start + it->row0 + i / group) * hq + h * group + i % group) * d;
+        if (dot) {
+            uint32_t *qt2 = (uint32_t *)w->qt + tile * (d / 2) * NR + lane;
+            for (int64_t c = 0; c < d / 2; c++) {
+                uint32_t pair = 0;
+                if (i < m) memcpy(&pair, (const uint16_t *)q + at + 2 * c, sizeof pair);
+                qt2[c * NR] = pair;
+            }
+        } else {
+            for (int64_t c = 0; c < d; c++) {
+                float x = 0.0f;
+                if (i < m)
+                    x = scale * (bf16 ? float_from_bf16(((const uint16_t *)q)[at + c]) : ((const float *)q)[at + c]);
+                w->qt[(tile * d + c) * NR + lane] = x;
+            }
+        }
+        w->qpos[i] = (float)(i < m ? first_pos + i / group : last_pos);
+        w->top[i] = -3.0e38f;
+        w->sum[i] = 0.0f;
+    }
+    memset(w->o, 0, sizeof(float) * (size_t)(lanes * d));
+    for (int64_t k0 = 0; k0 <= last_pos; k0 += BK) {
+        const int64_t nk = last_pos + 1 - k0 < BK ? last_pos + 1 - k0 : BK;
+        const int diagonal = k0 + nk - 1 > first_pos;  /* some query of the item may not see some key here */
+        if (dot)
+            copy_rows(k_cache, table, k0, nk, h, hk, d, block_size, (uint16_t *)w->kf);
+        else
+            widen_rows(k_cache, table, k0, nk, h, hk, d, block_size, w->kf, bf16);
+        widen_rows(v_cache, table, k0, nk, h, hk, d, block_size, w->vfl, bf16);
+        float *s = w->s;
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const float *qt = w->qt + tile * d * NR;
+            float *st = s + tile * NR;
+            int64_t t = 0;
+            for (; t + MR <= nk; t += MR) {
+                if (dot)
+                    scores_pairs(w, t, d, scale, st, lds, MR);
+                else
+                    scores_tile(w->kf + t * d, qt, d, st + t * lds, lds, MR);
+            }
+            switch (nk - t) {
+#if MR > 6
+                SCORES_CASE(6) SCORES_CASE(7) SCORES_CASE(8) SCORES_CASE(9) SCORES_CASE(10) SCORES_CASE(11)
+#endif
+                SCORES_CASE(1) SCORES_CASE(2) SCORES_CASE(3) SCORES_CASE(4) SCORES_CASE(5)
+                default: break;
+            }
+        }
+        /* online softmax down each lane: the block's max, the probabilities, the running sums rescaled */
+        for (int64_t i = 0; i < lanes; i += VLEN) {
+            const vf qp = vf_loadu(w->qpos + i), hidden = vf_set1(-3.0e38f);
+            vf top = vf_loadu(w->top + i);
+            const vf before = top;
+            for (int64_t t = 0; t < nk; t++) {
+                const vf x = vf_loadu(s + t * lds + i);
+                top = vf_max(top, diagonal ? vf_select_gt(vf_set1((float)(k0 + t)), qp, hidden, x) : x);
+            }
+            vf total = vf_zero();
+            for (int64_t t = 0; t < nk; t++) {
+                vf p = vf_exp(vf_sub(vf_loadu(s + t * lds + i), top));
+                if (diagonal) p = vf_select_gt(vf_set1((float)(k0 + t)), qp, vf_zero(), p);
+                vf_storeu(s + t * lds + i, p);
+                total = vf_add(total, p);
+            }
+            const vf alpha = vf_exp(vf_sub(before, top));
+            vf_storeu(w->sum + i, vf_fma(vf_loadu(w->sum + i), alpha, total));
+            vf_storeu(w->top + i, top);
+            vf_storeu(w->alpha + i, alpha);
+        }
+        /* the sums so far rescaled to the new maxima, then the values weighted by this block's probabilities,
+         * MR queries at a time */
+        const float *vfl = w->vfl;
+        for (int64_t i = 0; i < lanes; i++) {
+            const vf a = vf_set1(w->alpha[i]);
+            for (int64_t c = 0; c < d; c += VLEN) vf_storeu(w->o + i * d + c, vf_mul(vf_loadu(w->o + i * d + c), a));
+        }
+        for (int64_t i = 0; i < lanes; i += MR) {
+            const int64_t queries = lanes - i < MR ? lanes - i : MR;
+            for (int64_t c = 0; c < d; c += NR) {
+                switch (queries) {
+#if MR > 6
+                    VALUES_CASE(7) VALUES_CASE(8) VALUES_CASE(9) VALUES_CASE(10) VALUES_CASE(11) VALUES_CASE(12)
+#endif
+                    VALUES_CASE(1) VALUES_CASE(2) VALUES_CASE(3) VALUES_CASE(4) VALUES_CASE(5) VALUES_CASE(6)
+                    default: break;
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t row = q_start + it->row0 + i / group, head = h * group + i % group;
+        const vf inv = vf_set1(1.0f / w->sum[i]);
+        for (int64_t c = 0; c < d; c += VLEN)
+            vf_store_n(out, (row * hq + head) * d + c, vf_mul(vf_loadu(w->o + i * d + c), inv), d - c, bf16);
+    }
+}
+
+/*
+ * q, out: [T, Hq, D] (rows of every sequence of the batch); sequence i of the `num_seqs` given owns rows
+ * q_starts[i] .. q_starts[i] + q_lens[i] (rows of sequences not given are neither read nor written) and has
+ * seq_lens[i] tokens of context including them, its K/V stored; block_tables: [num_seqs, table_stride] int32;
+ * k_cache, v_cache: [num_blocks, block_size, Hk, D]; all in the dtype given by bf16 (1: bfloat16, 0: float32).
+ * Query row j of sequence i sits at position seq_lens[i] - q_lens[i] + j and sees keys 0 .. that position.
+ * Returns 0; -1 if scratch memory could not be allocated; -2, having read nothing, if a sequence has no new
+ * token or more than its context, its context reaches past its table, or it uses a block id outside the cache.
+ */
+int kunlun_paged_prefill_attention(const void *q, const void *k_cache, const void *v_cache, int64_t num_blocks,
+                                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                                   const int32_t *q_starts, const int32_t *q_lens, void *out, int64_t num_seqs,
+                                   int64_t hq, int64_t hk, int64_t d, int64_t block_size, float scale, int bf16) {
+    const int64_t group = hq / hk, rows_per_item = QUERIES / group > 0 ? QUERIES / group : 1;
+    int64_t count = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t len = seq_lens[s], used = (len + block_size - 1) / block_size;
+        if (q_lens[s] < 1 || q_lens[s] > len || used > table_stride) return -2;
+        for (int64_t i = 0; i < used; i++) {
+            const int32_t block = block_tables[s * table_stride + i];
+            if (block < 0 || block >= num_blocks) return -2;
+        }
+        count += (q_lens[s] + rows_per_item - 1) / rows_per_item * hk;
+    }
+    work_item *items = (work_item *)malloc(sizeof(work_item) * (size_t)(count > 0 ? count : 1));
+    if (items == NULL) return -1;
+    int64_t n = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t row0 = 0; row0 < q_lens[s]; row0 += rows_per_item)
+            for (int64_t h = 0; h < hk; h++) {
+                const int64_t rows = q_lens[s] - row0 < rows_per_item ? q_lens[s] - row0 : rows_per_item;
+                items[n++] = (work_item){s, h, row0, rows, rows * (seq_lens[s] - q_lens[s] + row0 + rows)};
+            }
+    qsort(items, (size_t)n, sizeof(work_item), costlier_first);  /* the longest first: the threads end together */
+    const int64_t lanes = ((rows_per_item * group > QUERIES ? rows_per_item * group : QUERIES) + NR - 1) / NR * NR;
+    int failed = 0;
+    #pragma omp parallel reduction(|| : failed)
+    {
+        scratch w;
+        const int ok = scratch_alloc(&w, lanes, d);
+        if (!ok) failed = 1;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; i++) {
+            if (!ok) continue;
+            const work_item *it = &items[i];
+            const int32_t *table = block_tables + it->seq * table_stride;
+            if (bf16)
+                one_item(q, k_cache, v_cache, table, seq_lens[it->seq], q_lens[it->seq], q_starts[it->seq], it, out,
+                         hq, hk, d, block_size, scale, &w, 1);
+            else
+                one_item(q, k_cache, v_cache, table, seq_lens[it->seq], q_lens[it->seq], q_starts[it->seq], it, out,
+                         hq, hk, d, block_size, scale, &w, 0);
+        }
+        scratch_free(&w);
+    }
+    free(items);
+    return failed ? -1 : 0;
+}
