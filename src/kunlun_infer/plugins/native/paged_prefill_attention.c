@@ -24,7 +24,7 @@
 
 #define NR (2 * VLEN) /* query lanes per micro-kernel: two vectors */
 #if VLEN == 16
-#define MR 12 /* keys (first GEMM) or features (second) per micro-kernel: 2 * MR accumulators */
+#define MR 12 /* keys (first GEMM) or queries (second) per micro-kernel: 2 * MR accumulators */
 #else
 #define MR 6
 #endif
@@ -89,21 +89,6 @@ INLINE void scores_tile_bf16(const uint16_t *kb, const uint32_t *qt2, int64_t d,
 #define DOT_BF16 0
 #endif
 
-/* the scores of keys t .. t + R of a block for one tile of query lanes */
-#define SCORES_CASE(R) \
-    case R: \
-        if (dot) scores_pairs(w, t, d, scale, st, lds, R); \
-        else scores_tile(w->kf + t * d, qt, d, st + t * lds, lds, R); \
-        break;
-
-#if DOT_BF16
-#define scores_pairs(w, t, d, scale, st, lds, R) \
-    scores_tile_bf16((const uint16_t *)(w)->kf + (t) * (d), (const uint32_t *)(w)->qt + tile * ((d) / 2) * NR, d, \
-                     scale, (st) + (t) * (lds), lds, R)
-#else
-#define scores_pairs(w, t, d, scale, st, lds, R) ((void)0)
-#endif
-
 /* o[r][0 .. vecs * VLEN) += sum_t p[t][r] * vfl[t][0 .. vecs * VLEN) for `queries` queries (p's columns, o's rows,
  * ldo apart) and one or two vectors of features (vfl rows d apart) */
 INLINE void values_tile(const float *p, int64_t ldp, const float *vfl, int64_t d, int64_t keys, float *o, int64_t ldo,
@@ -157,24 +142,36 @@ static void scratch_free(scratch *w) {
     free(w->top), free(w->sum), free(w->qpos);
 }
 
-/* rows [t0, t0 + n) of one head of the cache, widened to float32 into dst [n][d] */
-INLINE void widen_rows(const void *cache, const int32_t *table, int64_t t0, int64_t n, int64_t h, int64_t hk,
-                       int64_t d, int64_t block_size, float *dst, const int bf16) {
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t pos = t0 + t;
-        const int64_t row = (((int64_t)table[pos / block_size] * block_size + pos % block_size) * hk + h) * d;
-        for (int64_t c = 0; c < d; c += VLEN)
-            vf_store_n(dst + t * d, c, vf_load_n(cache, row + c, d - c, bf16), d - c, 0);
+/* the scores of keys t .. t + keys of the block against tile `tile` of the query lanes (see one_item) */
+INLINE void block_scores(const scratch *w, int64_t tile, int64_t t, int64_t d, float scale, int64_t lds,
+                         const int keys, const int dot) {
+    float *s = w->s + tile * NR + t * lds;
+#if DOT_BF16
+    if (dot) {
+        scores_tile_bf16((const uint16_t *)w->kf + t * d, (const uint32_t *)w->qt + tile * (d / 2) * NR, d, scale, s,
+                         lds, keys);
+        return;
     }
+#endif
+    (void)dot, (void)scale;
+    scores_tile(w->kf + t * d, w->qt + tile * d * NR, d, s, lds, keys);
 }
 
-/* rows [t0, t0 + n) of one head of a bf16 cache, as they are, into dst [n][d] */
-INLINE void copy_rows(const void *cache, const int32_t *table, int64_t t0, int64_t n, int64_t h, int64_t hk, int64_t d,
-                      int64_t block_size, uint16_t *dst) {
+#define SCORES_CASE(R) case R: block_scores(w, tile, t, d, scale, lds, R, dot); break;
+
+/* rows [t0, t0 + n) of one head of the cache into dst [n][d]: widened to float32, or (`copy`, a bf16 cache) as they
+ * are */
+INLINE void gather_rows(const void *cache, const int32_t *table, int64_t t0, int64_t n, int64_t h, int64_t hk,
+                        int64_t d, int64_t block_size, void *dst, const int bf16, const int copy) {
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = t0 + t;
         const int64_t row = (((int64_t)table[pos / block_size] * block_size + pos % block_size) * hk + h) * d;
-        memcpy(dst + t * d, (const uint16_t *)cache + row, sizeof(uint16_t) * (size_t)d);
+        if (copy) {
+            memcpy((uint16_t *)dst + t * d, (const uint16_t *)cache + row, sizeof(uint16_t) * (size_t)d);
+            continue;
+        }
+        for (int64_t c = 0; c < d; c += VLEN)
+            vf_store_n((float *)dst + t * d, c, vf_load_n(cache, row + c, d - c, bf16), d - c, 0);
     }
 }
 
@@ -214,22 +211,11 @@ INLINE void one_item(const void *q, const void *k_cache, const void *v_cache, co
     for (int64_t k0 = 0; k0 <= last_pos; k0 += BK) {
         const int64_t nk = last_pos + 1 - k0 < BK ? last_pos + 1 - k0 : BK;
         const int diagonal = k0 + nk - 1 > first_pos;  /* some query of the item may not see some key here */
-        if (dot)
-            copy_rows(k_cache, table, k0, nk, h, hk, d, block_size, (uint16_t *)w->kf);
-        else
-            widen_rows(k_cache, table, k0, nk, h, hk, d, block_size, w->kf, bf16);
-        widen_rows(v_cache, table, k0, nk, h, hk, d, block_size, w->vfl, bf16);
-        float *s = w->s;
+        gather_rows(k_cache, table, k0, nk, h, hk, d, block_size, w->kf, bf16, dot);
+        gather_rows(v_cache, table, k0, nk, h, hk, d, block_size, w->vfl, bf16, 0);
         for (int64_t tile = 0; tile < tiles; tile++) {
-            const float *qt = w->qt + tile * d * NR;
-            float *st = s + tile * NR;
             int64_t t = 0;
-            for (; t + MR <= nk; t += MR) {
-                if (dot)
-                    scores_pairs(w, t, d, scale, st, lds, MR);
-                else
-                    scores_tile(w->kf + t * d, qt, d, st + t * lds, lds, MR);
-            }
+            for (; t + MR <= nk; t += MR) block_scores(w, tile, t, d, scale, lds, MR, dot);
             switch (nk - t) {
 #if MR > 6
                 SCORES_CASE(6) SCORES_CASE(7) SCORES_CASE(8) SCORES_CASE(9) SCORES_CASE(10) SCORES_CASE(11)
@@ -238,6 +224,7 @@ INLINE void one_item(const void *q, const void *k_cache, const void *v_cache, co
                 default: break;
             }
         }
+        float *s = w->s;
         /* online softmax down each lane: the block's max, the probabilities, the running sums rescaled */
         for (int64_t i = 0; i < lanes; i += VLEN) {
             const vf qp = vf_loadu(w->qpos + i), hidden = vf_set1(-3.0e38f);
