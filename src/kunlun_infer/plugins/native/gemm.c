@@ -211,23 +211,7 @@ INLINE int chunked(int64_t m, const int wkind) { return m > MR + (wkind == WEIGH
 
 /* C [rows][NR] (float32 sums so far) += A [kc][MR] (the first `rows` lanes) @ Wf [kc][NR] (float32) */
 INLINE void chunk_kernel(const float *a, const float *wf, int64_t kc, float *c, const int rows) {
-    vf acc0[MR], acc1[MR];
-    UNROLL for (int r = 0; r < rows; r++) {
-        acc0[r] = vf_loadu(c + r * NR);
-        acc1[r] = vf_loadu(c + r * NR + VLEN);
-    }
-    _Pragma("GCC unroll 2") for (int64_t q = 0; q < kc; q++) {  /* two steps a turn: 2-8% on Zen 3 */
-        const vf w0 = vf_loadu(wf + q * NR), w1 = vf_loadu(wf + q * NR + VLEN);
-        UNROLL for (int r = 0; r < rows; r++) {
-            const vf xr = vf_set1(a[q * MR + r]);
-            acc0[r] = vf_fma(xr, w0, acc0[r]);
-            acc1[r] = vf_fma(xr, w1, acc1[r]);
-        }
-    }
-    UNROLL for (int r = 0; r < rows; r++) {
-        vf_storeu(c + r * NR, acc0[r]);
-        vf_storeu(c + r * NR + VLEN, acc1[r]);
-    }
+    fma_tile(a, MR, 1, wf, NR, kc, c, NR, rows, 2, 1);
 }
 
 #define CHUNK_CASE(R) case R: chunk_kernel(ab, wf, kc, cb, R); break;

@@ -44,20 +44,7 @@ static int costlier_first(const void *a, const void *b) {
 /* S[r][lanes] = sum_c kf[r][c] * qt[c][lanes] for `keys` keys (rows of kf, d features each) and one tile of NR
  * query lanes (qt [d][NR]) */
 INLINE void scores_tile(const float *kf, const float *qt, int64_t d, float *s, int64_t lds, const int keys) {
-    vf a0[MR], a1[MR];
-    UNROLL for (int r = 0; r < keys; r++) a0[r] = a1[r] = vf_zero();
-    for (int64_t c = 0; c < d; c++) {
-        const vf q0 = vf_loadu(qt + c * NR), q1 = vf_loadu(qt + c * NR + VLEN);
-        UNROLL for (int r = 0; r < keys; r++) {
-            const vf kr = vf_set1(kf[r * d + c]);
-            a0[r] = vf_fma(kr, q0, a0[r]);
-            a1[r] = vf_fma(kr, q1, a1[r]);
-        }
-    }
-    UNROLL for (int r = 0; r < keys; r++) {
-        vf_storeu(s + r * lds, a0[r]);
-        vf_storeu(s + r * lds + VLEN, a1[r]);
-    }
+    fma_tile(kf, 1, d, qt, NR, d, s, lds, keys, 2, 0);
 }
 
 #if defined(__AVX512BF16__)
@@ -93,23 +80,7 @@ INLINE void scores_tile_bf16(const uint16_t *kb, const uint32_t *qt2, int64_t d,
  * ldo apart) and one or two vectors of features (vfl rows d apart) */
 INLINE void values_tile(const float *p, int64_t ldp, const float *vfl, int64_t d, int64_t keys, float *o, int64_t ldo,
                         const int queries, const int vecs) {
-    vf a0[MR], a1[MR];
-    UNROLL for (int r = 0; r < queries; r++) {
-        a0[r] = vf_loadu(o + r * ldo);
-        a1[r] = vecs > 1 ? vf_loadu(o + r * ldo + VLEN) : vf_zero();
-    }
-    for (int64_t t = 0; t < keys; t++) {
-        const vf v0 = vf_loadu(vfl + t * d), v1 = vecs > 1 ? vf_loadu(vfl + t * d + VLEN) : vf_zero();
-        UNROLL for (int r = 0; r < queries; r++) {
-            const vf pr = vf_set1(p[t * ldp + r]);
-            a0[r] = vf_fma(pr, v0, a0[r]);
-            if (vecs > 1) a1[r] = vf_fma(pr, v1, a1[r]);
-        }
-    }
-    UNROLL for (int r = 0; r < queries; r++) {
-        vf_storeu(o + r * ldo, a0[r]);
-        if (vecs > 1) vf_storeu(o + r * ldo + VLEN, a1[r]);
-    }
+    fma_tile(p, ldp, 1, vfl, d, keys, o, ldo, queries, vecs, 1);
 }
 
 #define VALUES_CASE(R) \

@@ -242,6 +242,32 @@ INLINE vf vf_exp(vf x) {
     return vf_mul(p, vf_pow2i(n));
 }
 
+/* The micro-kernel of the GEMM-shaped loops (gemm.c's chunks of a prefill, the two products of prompt attention):
+ * for r < rows and v < vecs (1 or 2), out[r * ldo + v * VLEN ..] = (accumulate ? out : 0) + sum over q < n of
+ * a[q * a_step + r * a_row] * b[q * b_step + v * VLEN ..]. The rows x vecs sums stay in registers over the whole of
+ * n (rows <= 12 with AVX-512, 6 with AVX2: 2 * rows accumulators, two vectors of b and a broadcast fit the register
+ * file), each step one broadcast of a per row; two steps a turn (2-8% for gemm.c's chunks on Zen 3). */
+INLINE void fma_tile(const float *a, const int64_t a_step, const int64_t a_row, const float *b, const int64_t b_step,
+                     int64_t n, float *out, int64_t ldo, const int rows, const int vecs, const int accumulate) {
+    vf acc0[12], acc1[12];
+    _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
+        acc0[r] = accumulate ? vf_loadu(out + r * ldo) : vf_zero();
+        acc1[r] = accumulate && vecs > 1 ? vf_loadu(out + r * ldo + VLEN) : vf_zero();
+    }
+    _Pragma("GCC unroll 2") for (int64_t q = 0; q < n; q++) {
+        const vf b0 = vf_loadu(b + q * b_step), b1 = vecs > 1 ? vf_loadu(b + q * b_step + VLEN) : vf_zero();
+        _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
+            const vf x = vf_set1(a[q * a_step + r * a_row]);
+            acc0[r] = vf_fma(x, b0, acc0[r]);
+            if (vecs > 1) acc1[r] = vf_fma(x, b1, acc1[r]);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
+        vf_storeu(out + r * ldo, acc0[r]);
+        if (vecs > 1) vf_storeu(out + r * ldo + VLEN, acc1[r]);
+    }
+}
+
 /* float32 -> bf16 bits of one value, round to nearest even */
 INLINE uint16_t bf16_from_float(float f) {
     uint32_t x;
