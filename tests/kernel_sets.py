@@ -35,10 +35,11 @@ def _choose(name: str, monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(cpu_native, "selection", _torch_only)
     else:
         monkeypatch.setenv(ISA_ENV, ISA_CAPS[name])
-        planned, reason = cpu_native.planned()
+        planned, _ = cpu_native.planned()
         would_choose = "torch" if planned is None else "amx" if "amx_bf16" in cpu_native.cpu_flags() else planned.name
         if would_choose != name:
-            why = "it has no amx_bf16" if name == "amx" else reason
+            wanted = {"amx_bf16"} if name == "amx" else next(s.requires for s in cpu_native.KERNEL_SETS if s.name == name)
+            why = f"it has no {', '.join(sorted(wanted - cpu_native.cpu_flags()))}, so it runs {would_choose}"
             pytest.skip(f"this CPU does not run the {name} kernels ({why})")
         if shutil.which(os.environ.get("CC", "cc")) is None:
             pytest.skip("no C compiler to build the native kernels")
