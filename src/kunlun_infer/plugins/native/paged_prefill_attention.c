@@ -118,7 +118,6 @@ INLINE __m512i bf16_pairs(__m256i lo, __m256i hi) {
 }
 #endif
 
-
 /* the thread's scratch for items of up to `lanes` query lanes (a multiple of NR) and head size d */
 typedef struct {
     float *qt, *o, *s, *kf, *vfl, *top, *sum, *qpos, *alpha;
@@ -182,13 +181,13 @@ INLINE void block_scores(const scratch *w, int64_t tile, int64_t t, int64_t d, f
 
 #define SCORES_CASE(R) case R: block_scores(w, tile, t, d, scale, lds, R, dot); break;
 
-/* rows [t0, t0 + n) of one head of the cache into dst [n][d]: widened to float32, or (`copy`, a bf16 cache) as they
- * are */
 /* where the row of position `pos`, head h, starts in a cache [blocks][block_size][hk][d] (elements) */
 INLINE int64_t cache_row(const int32_t *table, int64_t pos, int64_t h, int64_t hk, int64_t d, int64_t block_size) {
     return (((int64_t)table[pos / block_size] * block_size + pos % block_size) * hk + h) * d;
 }
 
+/* rows [t0, t0 + n) of one head of the cache into dst [n][d]: widened to float32, or (`copy`, a bf16 cache) as they
+ * are */
 INLINE void gather_rows(const void *cache, const int32_t *table, int64_t t0, int64_t n, int64_t h, int64_t hk,
                         int64_t d, int64_t block_size, void *dst, const int bf16, const int copy) {
     for (int64_t t = 0; t < n; t++) {
