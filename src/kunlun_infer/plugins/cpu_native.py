@@ -122,26 +122,41 @@ def _cache_dir() -> Path:
     raise OSError("no writable cache folder for the compiled kernels")
 
 
+def compile_sources(compiler: str, kernel_set: KernelSet, sources: tuple[Path, ...], target: Path) -> None:
+    """Compile ``sources`` (with the headers beside them) for ``kernel_set`` into the shared library ``target``,
+    which appears whole or not at all (a temp file renamed: concurrent builders do not see half a library)."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *COMMON_FLAGS, *kernel_set.flags, *map(str, sources), "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=300)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _build(compiler: str, kernel_set: KernelSet) -> Path:
-    """Compile the sources for ``kernel_set`` into the cache (once; concurrent builders each write a temp file,
-    then rename)."""
-    flags = (*COMMON_FLAGS, *kernel_set.flags)
+    """Compile the sources for ``kernel_set`` into the cache, once per sources, flags and compiler."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(" ".join(flags).encode() + version.encode())
+    digest = hashlib.sha256(" ".join((*COMMON_FLAGS, *kernel_set.flags)).encode() + version.encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"kunlun_cpu-{kernel_set.name}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True,
-                           text=True, timeout=300)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        compile_sources(compiler, kernel_set, SOURCES, target)
     return target
+
+
+def bind(lib: ctypes.CDLL, strict: bool = True) -> ctypes.CDLL:
+    """``lib`` with the argument and result types of every kernel in :data:`SIGNATURES` (``strict=False``: of
+    those it exports, as an older build may lack the newest)."""
+    for function, (argtypes, restype) in SIGNATURES.items():
+        if not strict and not hasattr(lib, function):
+            continue
+        getattr(lib, function).argtypes = argtypes
+        getattr(lib, function).restype = restype
+    return lib
 
 
 def _isa_note() -> str:
@@ -170,11 +185,7 @@ def load(kernel_set: KernelSet) -> ctypes.CDLL:
     if compiler is None:
         raise OSError(f"no C compiler '{name}' found (set $CC)")
     torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernels share its threads
-    lib = ctypes.CDLL(str(_build(compiler, kernel_set)))
-    for function, (argtypes, restype) in SIGNATURES.items():
-        getattr(lib, function).argtypes = argtypes
-        getattr(lib, function).restype = restype
-    return lib
+    return bind(ctypes.CDLL(str(_build(compiler, kernel_set))))
 
 
 @functools.cache

@@ -1,0 +1,193 @@
+"""Builds of the native CPU kernels against each other, in one process, in turns.
+
+On a shared host the memory bandwidth and the FMA rate move within minutes,
+so two builds measured one after the other can differ by more than the
+change between them. This loads several builds of ``plugins/native`` at
+once (each its own shared library: ``ctypes`` keeps their symbols apart)
+and calls the same work on each in turn, so that every build meets the same
+minutes of the host; the medians and their ratios to the first build are
+printed with the CPU model, ISA flags, threads and kernel set.
+
+A build is ``NAME=SOURCE``: a git revision (``HEAD``, ``main~3``, a
+commit), whose ``src/kunlun_infer/plugins/native`` is taken from git; a
+folder holding the sources; or the working tree's sources with some files
+replaced, ``NAME=gemm.c:/tmp/gemm_variant.c[,simd.h:/tmp/simd.h]``; ``.``
+is the working tree as it is. Each build is compiled for the kernel set
+this process chooses (``KUNLUN_INFER_CPU_ISA=avx2`` takes the AVX2 one on a
+newer CPU) with the flags ``cpu_native`` uses.
+
+Work:
+
+- ``gemm``: a whole Qwen2-shaped 0.5B model's layer GEMMs (every weight its
+  own copy, packed by each build's own packing) at the given row counts, in
+  ``--dtype``; the outputs of each build are compared with the first's and
+  the largest difference printed (0 for builds bit for bit the same);
+- ``prompt-attention``: ``kunlun_paged_prefill_attention`` over the shapes of
+  ``prompt_attention.py``, 14 query heads over 2 KV heads, head size 64.
+
+Example::
+
+    python benchmarks/kernel_builds.py --work gemm --dtype bfloat16 --rows 1,8,32,256 before=HEAD~1 after=.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kunlun_infer.plugins import cpu_native
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
+import perf_cpu  # noqa: E402  (the 0.5B model's shape)
+import prompt_attention  # noqa: E402  (its shapes and inputs)
+
+REPO = Path(__file__).resolve().parent.parent
+NATIVE = "src/kunlun_infer/plugins/native"
+
+
+def sources(spec: str, into: Path) -> Path:
+    """The native sources a build spec names, written into the folder ``into``."""
+    into.mkdir(parents=True)
+    if spec == "." or ":" in spec:
+        for path in cpu_native.SOURCES + cpu_native.HEADERS:
+            shutil.copy(path, into / path.name)
+        for pair in spec.split(",") if spec != "." else []:
+            name, _, replacement = pair.partition(":")
+            if not (into / name).exists():
+                raise SystemExit(f"{spec}: {name} is not one of the native sources ({NATIVE})")
+            shutil.copy(replacement, into / name)
+    elif Path(spec).is_dir():
+        for path in Path(spec).iterdir():
+            if path.suffix in (".c", ".h"):
+                shutil.copy(path, into / path.name)
+    else:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", spec, NATIVE], capture_output=True)
+        if archive.returncode != 0:
+            raise SystemExit(f"{spec}: neither a folder, nor NAME:PATH replacements, nor a git revision "
+                             f"({archive.stderr.decode().strip()})")
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    (into / Path(member.name).name).write_bytes(tar.extractfile(member).read())
+    return into
+
+
+def build(name: str, spec: str, work: Path) -> ctypes.CDLL:
+    kernel_set = cpu_native.selection().kernel_set
+    if kernel_set is None:
+        raise SystemExit(f"no native kernels here: {cpu_native.selection().reason}")
+    folder = sources(spec, work / name)
+    target = work / f"{name}.so"
+    cpu_native.compile_sources(shutil.which("cc") or "cc", kernel_set, tuple(sorted(folder.glob("*.c"))), target)
+    torch.get_num_threads()  # torch's OpenMP runtime first, as cpu_native.load does
+    return cpu_native.bind(ctypes.CDLL(str(target)), strict=False)
+
+
+def gemm_work(lib: ctypes.CDLL, dtype: torch.dtype, rows: int) -> tuple[Callable[[], None], torch.Tensor]:
+    """One pass over a whole model's layer GEMMs at ``rows`` rows, and the output of the last one."""
+    shape = perf_cpu.SHAPES["0.5b"]
+    kv = shape.kv_heads * shape.hidden // shape.heads
+    layer = [(shape.hidden + 2 * kv, shape.hidden), (shape.hidden, shape.hidden),
+             (2 * shape.intermediate, shape.hidden), (shape.hidden, shape.intermediate)]
+    kind = "bf16" if dtype is torch.bfloat16 else "f32"
+    tile = lib.kunlun_gemm_tile_n()
+    g = torch.Generator().manual_seed(0)
+    weights = []
+    for n, k in layer * shape.layers:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        packed = torch.empty(-(-n // tile) * tile * k, dtype=dtype)
+        getattr(lib, f"kunlun_pack_{kind}")(w.data_ptr(), packed.data_ptr(), n, k)
+        weights.append((packed, n, k))
+    xs = {k: torch.randn(rows, k, generator=g).to(dtype) for _, k in layer}
+    y = torch.empty(rows, max(n for n, _ in layer), dtype=dtype)
+    gemm = getattr(lib, f"kunlun_gemm_{kind}")
+
+    def once() -> None:
+        for packed, n, k in weights:
+            if gemm(packed.data_ptr(), xs[k].data_ptr(), None, y.data_ptr(), rows, n, k) != 0:
+                raise MemoryError("GEMM row buffer")
+
+    return once, y
+
+
+def attention_work(lib: ctypes.CDLL, dtype: torch.dtype, ctx: int, new: int):
+    q, k_cache, v_cache, table, lens = prompt_attention.inputs(ctx, new, 14, 2, 64, 16, dtype)
+    out = torch.empty_like(q)
+    starts, counts = torch.tensor([0], dtype=torch.int32), torch.tensor([new], dtype=torch.int32)
+
+    def once() -> None:
+        status = lib.kunlun_paged_prefill_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], table.data_ptr(), table.shape[1],
+            lens.data_ptr(), starts.data_ptr(), counts.data_ptr(), out.data_ptr(), 1, 14, 2, 64, 16, 64 ** -0.5,
+            dtype is torch.bfloat16)
+        if status != 0:
+            raise RuntimeError(f"kunlun_paged_prefill_attention returned {status}")
+
+    return once, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("builds", nargs="+", help="NAME=SOURCE (see above); the first is the baseline")
+    parser.add_argument("--work", choices=("gemm", "prompt-attention"), default="gemm")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--rows", default="1,8,32,256", help="gemm: row counts")
+    parser.add_argument("--turns", type=int, default=9, help="calls of each build per case, in turns (medians)")
+    parser.add_argument("--json", help="also append the figures, as one JSON object, to this file")
+    args = parser.parse_args()
+    named = dict(b.split("=", 1) for b in args.builds)
+    if len(named) != len(args.builds):
+        raise SystemExit("each build is NAME=SOURCE, with names all different")
+    dtype = getattr(torch, args.dtype)
+    facts = machine.facts()
+    print(machine.describe(facts))
+    with tempfile.TemporaryDirectory(prefix="kunlun_builds-") as tmp:
+        libs = {name: build(name, spec, Path(tmp)) for name, spec in named.items()}
+        if args.work == "gemm":
+            cases = [(f"{rows} rows", lambda lib, r=rows: gemm_work(lib, dtype, r))
+                     for rows in map(int, args.rows.split(","))]
+        else:
+            cases = [(f"context {ctx}, new {new}", lambda lib, c=ctx, n=new: attention_work(lib, dtype, c, n))
+                     for ctx, new in prompt_attention.SHAPES]
+        results = []
+        for label, make in cases:
+            works = {name: make(lib) for name, lib in libs.items()}
+            for once, _ in works.values():  # warm, and the outputs to compare
+                once()
+            first = next(iter(works.values()))[1].float()
+            diff = {name: (out.float() - first).abs().max().item() for name, (_, out) in works.items()}
+            times: dict[str, list[float]] = {name: [] for name in works}
+            for _ in range(args.turns):
+                for name, (once, _) in works.items():
+                    start = time.perf_counter()
+                    once()
+                    times[name].append(time.perf_counter() - start)
+            med = {name: statistics.median(t) for name, t in times.items()}
+            base = next(iter(med.values()))
+            results.append({"case": label, "ms": {n: 1e3 * t for n, t in med.items()},
+                            "ratio": {n: t / base for n, t in med.items()}, "max_diff": diff})
+            print(f"{args.dtype} {label:>22s}: " + "  ".join(
+                f"{n} {1e3 * t:8.3f} ms ({t / base:.2f}, diff {diff[n]:.1e})" for n, t in med.items()), flush=True)
+            del works
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"machine": facts, "work": args.work, "dtype": args.dtype, "builds": named,
+                                "turns": args.turns, "results": results}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""``benchmarks/kernel_builds.py`` builds the kernels it is told to from the sources it is told to, so a comparison
+of two builds is of those two builds."""
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kunlun_infer.plugins import cpu_gemm, cpu_native
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "kernel_builds.py"
+
+
+@pytest.fixture(scope="module")
+def kernel_builds():
+    spec = importlib.util.spec_from_file_location("_kunlun_kernel_builds", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sources_come_from_a_revision_or_replace_named_files(kernel_builds, tmp_path):
+    replacement = tmp_path / "variant.c"
+    replacement.write_text("/* a variant */\n")
+    replaced = kernel_builds.sources(f"gemm.c:{replacement}", tmp_path / "replaced")
+    assert (replaced / "gemm.c").read_text() == "/* a variant */\n"
+    for path in cpu_native.SOURCES + cpu_native.HEADERS:
+        if path.name != "gemm.c":
+            assert (replaced / path.name).read_bytes() == path.read_bytes(), path.name
+    with pytest.raises(SystemExit, match="nosuch.c is not one of the native sources"):
+        kernel_builds.sources(f"nosuch.c:{replacement}", tmp_path / "bad")
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return  # an unpacked source tree: no revisions to take
+    at_head = kernel_builds.sources("HEAD", tmp_path / "head")
+    committed = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{kernel_builds.NATIVE}/gemm.c"],
+                               capture_output=True, check=True).stdout
+    assert (at_head / "gemm.c").read_bytes() == committed
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", "HEAD", f"{kernel_builds.NATIVE}/"],
+                            capture_output=True, check=True, text=True).stdout.split()
+    assert sorted(p.name for p in at_head.iterdir()) == sorted(Path(p).name for p in listed)
+    with pytest.raises(SystemExit, match="nor a git revision"):
+        kernel_builds.sources("no-such-revision", tmp_path / "none")
+
+
+def test_a_build_of_the_working_tree_multiplies_as_the_loaded_kernels_do(kernel_builds, tmp_path):
+    if cpu_native.library() is None or shutil.which("cc") is None:
+        pytest.skip(f"no native kernels here: {cpu_native.selection().reason}")
+    lib = kernel_builds.build("tree", ".", tmp_path)
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(40, 24, generator=g), torch.randn(3, 24, generator=g)
+    packed = cpu_gemm.pack(weight)
+    y = torch.empty(3, 40)
+    assert lib.kunlun_gemm_f32(packed.data_ptr(), x.data_ptr(), None, y.data_ptr(), 3, 40, 24) == 0
+    assert torch.equal(y, cpu_gemm.linear(x, packed))
+    torch.testing.assert_close(y, x @ weight.T, rtol=1e-5, atol=1e-5)
