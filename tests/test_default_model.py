@@ -12,7 +12,6 @@ prints Python-looking code out of the box.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import math
@@ -30,6 +29,7 @@ import kunlun_infer as ki
 from kunlun_infer.cli import main
 from kunlun_infer.commands.generate import DEFAULT_PROMPT
 from kunlun_infer.engine.startup import default_model_dir
+from tests.scripts import load_script
 from tests.torch_threads import one_thread  # noqa: F401 - autouse: one torch thread per test
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,23 +82,12 @@ def test_transformers_greedy_output_equals_the_engine_token_for_token(llm, hf):
         assert out.text == tokenizer.decode(reference, skip_special_tokens=True)
 
 
-def load_script():
-    """The training script as a module (registered first: its dataclasses look their module up)."""
-    name = "_kunlun_infer_train_default_model"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def validation_windows() -> torch.Tensor:
     """``NUM_WINDOWS`` windows of ``WINDOW + 1`` tokens, spread over the script's validation split."""
     from tokenizers import Tokenizer
 
-    script = load_script()
+    script = load_script(str(SCRIPT.relative_to(REPO)))
     record = training_record()
     _, val_files, _ = script.collect_corpus(Path(sysconfig.get_paths()["stdlib"]),
                                             record["hyperparameters"]["val_per_10000"])

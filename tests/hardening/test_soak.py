@@ -7,24 +7,11 @@ aborted equals its prompt run alone on an unloaded engine.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-
-
-def load_soak():
-    name = "kunlun_infer_benchmarks_soak"
-    if name not in sys.modules:  # dataclasses look their module up there
-        spec = importlib.util.spec_from_file_location(name, SOAK)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+from tests.scripts import load_script
 
 
 def test_a_short_soak_loses_nothing_and_leaks_nothing(tiny_folder):
-    report = load_soak().run_soak(tiny_folder, num_requests=300, seed=1)
+    report = load_script("benchmarks/soak.py").run_soak(tiny_folder, num_requests=300, seed=1)
     assert report.mismatches == []
     assert report.preemptions > 20, "the KV budget did not force preemption"
     assert report.aborted >= 10 and report.finished["abort"] >= report.aborted

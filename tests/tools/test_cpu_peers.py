@@ -1,22 +1,16 @@
 """The peer benchmark reads the checkpoint kunlun_infer serves, bit for bit, without torch (the peers' Pythons
 may have none), so llama.cpp and vLLM are measured on the same weights."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import save_file
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_peers.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def cpu_peers():
-    spec = importlib.util.spec_from_file_location("_kunlun_cpu_peers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/cpu_peers.py")
 
 
 def test_reads_bf16_f16_and_f32_tensors_exactly(cpu_peers, tmp_path):

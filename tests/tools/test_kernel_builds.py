@@ -1,7 +1,6 @@
 """``benchmarks/kernel_builds.py`` builds the kernels it is told to from the sources it is told to, so a comparison
 of two builds is of those two builds."""
 
-import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,17 +9,12 @@ import pytest
 import torch
 
 from kunlun_infer.plugins import cpu_gemm, cpu_native
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "kernel_builds.py"
+from tests.scripts import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def kernel_builds():
-    spec = importlib.util.spec_from_file_location("_kunlun_kernel_builds", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/kernel_builds.py")
 
 
 def test_sources_come_from_a_revision_or_replace_named_files(kernel_builds, tmp_path):
