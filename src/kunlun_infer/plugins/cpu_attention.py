@@ -9,11 +9,11 @@ in one call, to ``native/paged_prefill_attention.c``: blocks of queries
 against blocks of keys as two small GEMMs with an online softmax, so each
 cached key and value is read once per block of queries. Measured in turns
 (``benchmarks/prompt_attention.py``; 2-core AMD EPYC Zen 4, 14 query heads
-over 2 KV heads, head size 64) at 64-2048 tokens: 1.1-2.6x faster with
-AVX-512 and 1.3-3.0x with AVX2 than running each prompt row as a decode
-query (what served prompts of up to 512 tokens before), 1.6-3.0x and
-1.3-2.3x faster than torch's SDPA (what served longer ones); a 16-token
-prompt takes ~20 us more than as rows.
+over 2 KV heads, head size 64) at 64-2048 tokens: 1.1-2.5x faster with
+AVX-512 and 1.1-2.6x with AVX2 than running each prompt row as a decode
+query (what served prompts of up to 512 tokens before), 1.5-4.1x and
+1.3-2.4x faster than torch's SDPA (what served longer ones); a 16-token
+prompt takes 7-12 us more per layer than as rows.
 Without the native kernels (no library, fp16, head size not a multiple of
 16) decode rows run as one SDPA over their block-gathered K/V (``index_select``
 of the blocks in use) in the cache's dtype — the CPU SDPA kernel accumulates
