@@ -22,8 +22,8 @@ Work:
   own copy, packed by each build's own packing) at the given row counts, in
   ``--dtype``; the outputs of each build are compared with the first's and
   the largest difference printed (0 for builds bit for bit the same);
-- ``prompt-attention``: ``kunlun_paged_prefill_attention`` over the shapes of
-  ``prompt_attention.py``, 14 query heads over 2 KV heads, head size 64.
+- ``prompt-attention``: ``kunlun_paged_prefill_attention`` over the shapes,
+  heads and head size of ``prompt_attention.py``.
 
 Example::
 
@@ -90,19 +90,19 @@ def build(name: str, spec: str, work: Path) -> ctypes.CDLL:
     kernel_set = cpu_native.selection().kernel_set
     if kernel_set is None:
         raise SystemExit(f"no native kernels here: {cpu_native.selection().reason}")
+    cc, path = cpu_native.compiler()
+    if path is None:
+        raise SystemExit(f"no C compiler '{cc}' found (set $CC)")
     folder = sources(spec, work / name)
     target = work / f"{name}.so"
-    cpu_native.compile_sources(shutil.which("cc") or "cc", kernel_set, tuple(sorted(folder.glob("*.c"))), target)
-    torch.get_num_threads()  # torch's OpenMP runtime first, as cpu_native.load does
-    return cpu_native.bind(ctypes.CDLL(str(target)), strict=False)
+    cpu_native.compile_sources(path, kernel_set, tuple(sorted(folder.glob("*.c"))), target)
+    return cpu_native.open_library(target, strict=False)
 
 
 def gemm_work(lib: ctypes.CDLL, dtype: torch.dtype, rows: int) -> tuple[Callable[[], None], torch.Tensor]:
     """One pass over a whole model's layer GEMMs at ``rows`` rows, and the output of the last one."""
     shape = perf_cpu.SHAPES["0.5b"]
-    kv = shape.kv_heads * shape.hidden // shape.heads
-    layer = [(shape.hidden + 2 * kv, shape.hidden), (shape.hidden, shape.hidden),
-             (2 * shape.intermediate, shape.hidden), (shape.hidden, shape.intermediate)]
+    layer = shape.layer_linears()
     kind = "bf16" if dtype is torch.bfloat16 else "f32"
     tile = lib.kunlun_gemm_tile_n()
     g = torch.Generator().manual_seed(0)
@@ -125,15 +125,16 @@ def gemm_work(lib: ctypes.CDLL, dtype: torch.dtype, rows: int) -> tuple[Callable
 
 
 def attention_work(lib: ctypes.CDLL, dtype: torch.dtype, ctx: int, new: int):
-    q, k_cache, v_cache, table, lens = prompt_attention.inputs(ctx, new, 14, 2, 64, 16, dtype)
+    (hq, hk), d, block_size = prompt_attention.HEADS, prompt_attention.HEAD_SIZE, prompt_attention.BLOCK_SIZE
+    q, k_cache, v_cache, table, lens = prompt_attention.inputs(ctx, new, hq, hk, d, block_size, dtype)
     out = torch.empty_like(q)
     starts, counts = torch.tensor([0], dtype=torch.int32), torch.tensor([new], dtype=torch.int32)
 
     def once() -> None:
         status = lib.kunlun_paged_prefill_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], table.data_ptr(), table.shape[1],
-            lens.data_ptr(), starts.data_ptr(), counts.data_ptr(), out.data_ptr(), 1, 14, 2, 64, 16, 64 ** -0.5,
-            dtype is torch.bfloat16)
+            lens.data_ptr(), starts.data_ptr(), counts.data_ptr(), out.data_ptr(), 1, hq, hk, d, block_size,
+            d ** -0.5, dtype is torch.bfloat16)
         if status != 0:
             raise RuntimeError(f"kunlun_paged_prefill_attention returned {status}")
 

@@ -114,9 +114,15 @@ class Shape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def layer_linears(self) -> list[tuple[int, int]]:
+        """(out, in) features of a layer's linear weights as the engine holds them: merged q/k/v, the output
+        projection, merged gate/up, down."""
+        return [((self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden),
+                (self.hidden, self.heads * self.head_dim),
+                (2 * self.intermediate, self.hidden), (self.hidden, self.intermediate)]
+
     def linear_params_per_layer(self) -> int:
-        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
-        return qkv + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.intermediate
+        return sum(n * k for n, k in self.layer_linears())
 
     def streamed_params(self) -> int:
         """Parameters one decode step multiplies with: every linear weight and the (tied) LM head."""

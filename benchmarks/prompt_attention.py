@@ -43,6 +43,8 @@ import machine  # noqa: E402  (a sibling file: what every benchmark records of t
 
 #: (context, new tokens): whole prompts, a chunk after a cached prefix, speculative drafts
 SHAPES = [(16, 16), (64, 64), (256, 256), (512, 512), (1024, 1024), (2048, 2048), (1024, 256), (1000, 5)]
+#: the 0.5B workload's attention: query heads, KV heads; head size; tokens per cache block
+HEADS, HEAD_SIZE, BLOCK_SIZE = (14, 2), 64, 16
 
 
 def inputs(ctx: int, new: int, hq: int, hk: int, d: int, block_size: int, dtype: torch.dtype):
@@ -72,8 +74,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--rounds", type=int, default=7, help="turns of the three ways per shape (medians kept)")
-    parser.add_argument("--heads", default="14,2", help="query heads, KV heads")
-    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--heads", default=",".join(map(str, HEADS)), help="query heads, KV heads")
+    parser.add_argument("--head-size", type=int, default=HEAD_SIZE)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", help="also append the figures, as one JSON object, to this file (one per line)")
     args = parser.parse_args()
@@ -86,7 +88,7 @@ def main() -> None:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for ctx, new in SHAPES:
-            q, k_cache, v_cache, table, lens = inputs(ctx, new, hq, hk, d, 16, dtype)
+            q, k_cache, v_cache, table, lens = inputs(ctx, new, hq, hk, d, BLOCK_SIZE, dtype)
             scale = d ** -0.5
             fns = ways(q, k_cache, v_cache, table, lens, scale)
             want = reference.paged_attention(q, k_cache, v_cache, table, lens, torch.tensor([0, new]), scale)

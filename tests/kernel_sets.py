@@ -11,9 +11,6 @@ kernel_set``).
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 
 from kunlun_infer.plugins import cpu_native
@@ -41,7 +38,7 @@ def _choose(name: str, monkeypatch: pytest.MonkeyPatch):
             wanted = {"amx_bf16"} if name == "amx" else next(s.requires for s in cpu_native.KERNEL_SETS if s.name == name)
             why = f"it has no {', '.join(sorted(wanted - cpu_native.cpu_flags()))}, so it runs {would_choose}"
             pytest.skip(f"this CPU does not run the {name} kernels ({why})")
-        if shutil.which(os.environ.get("CC", "cc")) is None:
+        if cpu_native.compiler()[1] is None:
             pytest.skip("no C compiler to build the native kernels")
         assert cpu_native.selection().name == name, cpu_native.selection().describe()
     yield name

@@ -33,7 +33,6 @@ from tests.scripts import load_script
 from tests.torch_threads import one_thread  # noqa: F401 - autouse: one torch thread per test
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "train_default_model.py"
 MODEL_DIR = default_model_dir()
 PROMPTS = [DEFAULT_PROMPT, "import os\n", "class Stack:\n    def __init__(self):", "for i in range(10):",
            "    return "]
@@ -87,7 +86,7 @@ def validation_windows() -> torch.Tensor:
     """``NUM_WINDOWS`` windows of ``WINDOW + 1`` tokens, spread over the script's validation split."""
     from tokenizers import Tokenizer
 
-    script = load_script(str(SCRIPT.relative_to(REPO)))
+    script = load_script("scripts/train_default_model.py")
     record = training_record()
     _, val_files, _ = script.collect_corpus(Path(sysconfig.get_paths()["stdlib"]),
                                             record["hyperparameters"]["val_per_10000"])

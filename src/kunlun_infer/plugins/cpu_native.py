@@ -122,13 +122,13 @@ def _cache_dir() -> Path:
     raise OSError("no writable cache folder for the compiled kernels")
 
 
-def compile_sources(compiler: str, kernel_set: KernelSet, sources: tuple[Path, ...], target: Path) -> None:
+def compile_sources(cc: str, kernel_set: KernelSet, sources: tuple[Path, ...], target: Path) -> None:
     """Compile ``sources`` (with the headers beside them) for ``kernel_set`` into the shared library ``target``,
     which appears whole or not at all (a temp file renamed: concurrent builders do not see half a library)."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *COMMON_FLAGS, *kernel_set.flags, *map(str, sources), "-o", tmp], check=True,
+        subprocess.run([cc, *COMMON_FLAGS, *kernel_set.flags, *map(str, sources), "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)
     finally:
@@ -136,21 +136,29 @@ def compile_sources(compiler: str, kernel_set: KernelSet, sources: tuple[Path, .
             os.unlink(tmp)
 
 
-def _build(compiler: str, kernel_set: KernelSet) -> Path:
+def _build(cc: str, kernel_set: KernelSet) -> Path:
     """Compile the sources for ``kernel_set`` into the cache, once per sources, flags and compiler."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(" ".join((*COMMON_FLAGS, *kernel_set.flags)).encode() + version.encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"kunlun_cpu-{kernel_set.name}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
-        compile_sources(compiler, kernel_set, SOURCES, target)
+        compile_sources(cc, kernel_set, SOURCES, target)
     return target
 
 
-def bind(lib: ctypes.CDLL, strict: bool = True) -> ctypes.CDLL:
-    """``lib`` with the argument and result types of every kernel in :data:`SIGNATURES` (``strict=False``: of
-    those it exports, as an older build may lack the newest)."""
+def compiler() -> tuple[str, str | None]:
+    """The C compiler the kernels are built with: ``$CC`` (default ``cc``), and its path (``None``: not found)."""
+    name = os.environ.get("CC", "cc")
+    return name, shutil.which(name)
+
+
+def open_library(path: Path, strict: bool = True) -> ctypes.CDLL:
+    """The built kernels at ``path``, loaded, with the argument and result types of every kernel in
+    :data:`SIGNATURES` (``strict=False``: of those it exports, as an older build may lack the newest)."""
+    torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernels share its threads
+    lib = ctypes.CDLL(str(path))
     for function, (argtypes, restype) in SIGNATURES.items():
         if not strict and not hasattr(lib, function):
             continue
@@ -180,12 +188,10 @@ def planned() -> tuple[KernelSet | None, str]:
 @functools.cache
 def load(kernel_set: KernelSet) -> ctypes.CDLL:
     """``kernel_set`` built (or found in the cache) and loaded; raises ``OSError``/``SubprocessError`` on failure."""
-    name = os.environ.get("CC", "cc")
-    compiler = shutil.which(name)
-    if compiler is None:
+    name, path = compiler()
+    if path is None:
         raise OSError(f"no C compiler '{name}' found (set $CC)")
-    torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernels share its threads
-    return bind(ctypes.CDLL(str(_build(compiler, kernel_set))))
+    return open_library(_build(path, kernel_set))
 
 
 @functools.cache
@@ -224,7 +230,7 @@ def describe_planned() -> str:
     if kernel_set is None:
         return f"torch ({reason})"
     name = "amx" if "amx_bf16" in cpu_flags() else kernel_set.name
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        return f"torch (no C compiler '{compiler}' to build the {kernel_set.name} kernels)"
+    cc, path = compiler()
+    if path is None:
+        return f"torch (no C compiler '{cc}' to build the {kernel_set.name} kernels)"
     return f"{name} ({reason})"
