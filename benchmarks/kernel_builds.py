@@ -14,7 +14,9 @@ folder holding the sources; or the working tree's sources with some files
 replaced, ``NAME=gemm.c:/tmp/gemm_variant.c[,simd.h:/tmp/simd.h]``; ``.``
 is the working tree as it is. Each build is compiled for the kernel set
 this process chooses (``KUNLUN_INFER_CPU_ISA=avx2`` takes the AVX2 one on a
-newer CPU) with the flags ``cpu_native`` uses.
+newer CPU) with the flags ``cpu_native`` uses, and where it has the AVX2
+GEMMs' two ways, measures from how many rows it takes chunks as the engine
+does (``cpu_tuning``; a build from before that keeps its compiled choice).
 
 Work:
 
@@ -48,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from kunlun_infer.plugins import cpu_native
+from kunlun_infer.plugins import cpu_native, cpu_tuning
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
@@ -96,7 +98,11 @@ def build(name: str, spec: str, work: Path) -> ctypes.CDLL:
     folder = sources(spec, work / name)
     target = work / f"{name}.so"
     cpu_native.compile_sources(path, kernel_set, tuple(sorted(folder.glob("*.c"))), target)
-    return cpu_native.open_library(target, strict=False)
+    lib = cpu_native.open_library(target, strict=False)
+    tuning = cpu_tuning.apply(lib, target)  # what the engine measures on this CPU for a build of these sources
+    if tuning is not None:
+        print(f"{name}: {tuning.describe()}", flush=True)
+    return lib
 
 
 def gemm_work(lib: ctypes.CDLL, dtype: torch.dtype, rows: int) -> tuple[Callable[[], None], torch.Tensor]:

@@ -6,12 +6,14 @@ references, and each test that depends on the set asks which one was chosen.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kunlun_infer.ops import reference
-from kunlun_infer.plugins import cpu_attention, cpu_gemm, cpu_kernels, cpu_native
+from kunlun_infer.plugins import cpu_attention, cpu_gemm, cpu_kernels, cpu_native, cpu_tuning
 from kunlun_infer.testing import build_runtime, check_ops
 from tests.kernel_sets import kernel_set, native_kernel_set  # noqa: F401 - fixtures
 from tests.plugins.test_torch_ops import _batch
@@ -159,6 +161,28 @@ def _assert_linear_like_f_linear(pack, linear, out_features, in_features, rows_l
 _ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 24, 31, 100]
 
 
+def _gemm_ways() -> list[str]:
+    """The ways the loaded GEMMs can take a tile of many rows: as this CPU measured (``cpu_tuning``), and where the
+    build has a second way (AVX2), every such tile in chunks and every one whole."""
+    return ["as measured", "in chunks", "whole"] if cpu_tuning.has_chunks(cpu_native.selection().library) \
+        else ["as measured"]
+
+
+@contextlib.contextmanager
+def _gemm_way(way: str):
+    lib = cpu_native.selection().library
+    if way == "as measured":
+        yield
+        return
+    before = (lib.kunlun_gemm_chunk_rows(0), lib.kunlun_gemm_chunk_rows(1))
+    rows = 0 if way == "in chunks" else cpu_tuning.NEVER  # 0: from the first row past one block
+    lib.kunlun_gemm_set_chunk_rows(rows, rows)
+    try:
+        yield
+    finally:
+        lib.kunlun_gemm_set_chunk_rows(*before)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_features, in_features", [(64, 32), (48, 40), (100, 2), (1, 6), (33, 258)])
 def test_native_gemm_matches_f_linear_for_every_row_count(native_kernel_set, dtype, out_features, in_features):
@@ -166,19 +190,22 @@ def test_native_gemm_matches_f_linear_for_every_row_count(native_kernel_set, dty
         assert native_kernel_set == "amx"  # bf16 weights go to oneDNN's tiles there (tested below)
         return
     assert cpu_gemm.can_pack(torch.zeros(out_features, in_features, dtype=dtype))
-    # ragged tiles (out features not a multiple of the tile) and every row-block remainder
-    _assert_linear_like_f_linear(cpu_gemm.pack, cpu_gemm.linear, out_features, in_features, _ROWS, dtype=dtype)
-    _assert_linear_like_f_linear(cpu_gemm.pack, cpu_gemm.linear, out_features, in_features, [3], bias=False,
-                                 dtype=dtype)
+    for way in _gemm_ways():
+        with _gemm_way(way):  # ragged tiles (out features not a multiple of the tile) and every row-block remainder
+            _assert_linear_like_f_linear(cpu_gemm.pack, cpu_gemm.linear, out_features, in_features, _ROWS,
+                                         dtype=dtype)
+            _assert_linear_like_f_linear(cpu_gemm.pack, cpu_gemm.linear, out_features, in_features, [3],
+                                         bias=False, dtype=dtype)
 
 
 @pytest.mark.parametrize("rows", [18, 100])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_kernel_set, dtype, rows):
-    """With AVX2 a GEMM of more rows than one block takes K in chunks of 256 (600 features: three, the last
-    ragged) and keeps the sums between chunks: the same additions in the same order as a call with one
-    block of 4-6 rows (one pass over K), so 18 rows at once equal three calls of 6 bit for bit. 100 rows are
-    packed 96 at a time, the last block of 4 rows short."""
+    """With AVX2 a GEMM of more rows than one block may take K in chunks of 256 (600 features: three, the last
+    ragged) and keep the sums between chunks: the same additions in the same order as a call with one block
+    of 4-6 rows (one pass over K), so 18 rows at once equal three calls of 6 bit for bit, whichever way this
+    CPU measured faster (``cpu_tuning``) and either way forced. 100 rows are packed 96 at a time, the last
+    block of 4 rows short."""
     if dtype is torch.bfloat16 and cpu_native.selection().bf16_linear != "native":
         assert native_kernel_set == "amx"
         return
@@ -186,9 +213,11 @@ def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_ke
     weight, bias = torch.randn(40, 600, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     x = torch.randn(rows, 600, generator=g).to(dtype)
     packed = cpu_gemm.pack(weight)
-    together = cpu_gemm.linear(x, packed, bias)
     apart = torch.cat([cpu_gemm.linear(x[i:i + 6], packed, bias) for i in range(0, rows, 6)])
-    assert torch.equal(together, apart)
+    for way in _gemm_ways():
+        with _gemm_way(way):
+            together = cpu_gemm.linear(x, packed, bias)
+        assert torch.equal(together, apart), way
     exact = F.linear(x.double(), weight.double(), bias.double())
     rounding = 2.0 ** -8 if dtype is torch.bfloat16 else 2.0 ** -20  # the output's own rounding, and some
     assert ((together.double() - exact).abs() <= rounding * exact.abs() + 1e-3).all()

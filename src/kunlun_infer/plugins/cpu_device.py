@@ -40,6 +40,16 @@ def _cpuinfo() -> dict[str, str]:
     return facts
 
 
+def cpu_model() -> str:
+    """The CPU's model as the OS names it, with vendor, family and model numbers (a hypervisor may show two
+    generations under one name): ``AMD EPYC (AuthenticAMD family 25 model 17)``."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    numbers = " ".join(f"{key.split()[-1]} {info[key]}" for key in ("cpu family", "model") if key in info)
+    vendor = info.get("vendor_id", "")
+    return f"{name} ({vendor} {numbers})" if vendor or numbers else name
+
+
 #: env var capping the instruction sets the host kernels may use, to run (and test) the kernels another CPU gets
 ISA_ENV = "KUNLUN_INFER_CPU_ISA"
 #: cap -> flag prefixes it hides

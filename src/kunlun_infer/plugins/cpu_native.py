@@ -9,9 +9,10 @@ place that decides — takes the best set this CPU runs
 (:func:`~kunlun_infer.plugins.cpu_device.cpu_flags`, capped by
 ``$KUNLUN_INFER_CPU_ISA``), builds it with ``$CC`` (default ``cc``) into the
 user's cache (``$XDG_CACHE_HOME/kunlun_infer/kernels``, keyed by sources,
-flags and compiler) the first time a kernel is needed, and loads it. On a
-CPU with AMX the bf16 linear goes to oneDNN's tile kernels instead (set
-``amx``). With no set fitting the CPU, no compiler, or a failed build, the
+flags and compiler) the first time a kernel is needed, and loads it (an
+AVX2 build then measures once per CPU from how many rows its GEMMs take
+tiles in chunks: :mod:`~kunlun_infer.plugins.cpu_tuning`). On a CPU with
+AMX the bf16 linear goes to oneDNN's tile kernels instead (set ``amx``). With no set fitting the CPU, no compiler, or a failed build, the
 ops keep to their torch implementations; the reason is logged once and shown
 by ``kunlun-infer plugins`` and ``doctor``. The kernels parallelise with
 OpenMP on the runtime torch already loaded, so they follow
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from kunlun_infer.plugins import cpu_capture
+from kunlun_infer.plugins import cpu_capture, cpu_tuning
 from kunlun_infer.plugins.cpu_device import ISA_ENV, cpu_flags
 
 log = logging.getLogger("kunlun_infer.plugin.torch-ops")
@@ -70,6 +71,8 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 #: name -> (argument types, result type) of every exported kernel
 SIGNATURES = {
     "kunlun_gemm_tile_n": ([], _I64),
+    "kunlun_gemm_set_chunk_rows": ([_I64, _I64], ctypes.c_int),
+    "kunlun_gemm_chunk_rows": ([ctypes.c_int], _I64),
     "kunlun_pack_bf16": ([_P, _P, _I64, _I64], None),
     "kunlun_gemm_bf16": ([_P, _P, _P, _P, _I64, _I64, _I64], ctypes.c_int),
     "kunlun_pack_f32": ([_P, _P, _I64, _I64], None),
@@ -136,13 +139,19 @@ def compile_sources(cc: str, kernel_set: KernelSet, sources: tuple[Path, ...], t
             os.unlink(tmp)
 
 
-def _build(cc: str, kernel_set: KernelSet) -> Path:
-    """Compile the sources for ``kernel_set`` into the cache, once per sources, flags and compiler."""
+def _target(cc: str, kernel_set: KernelSet) -> Path:
+    """Where the build of the sources for ``kernel_set`` by ``cc`` lives in the cache (keyed by sources, flags and
+    compiler)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(" ".join((*COMMON_FLAGS, *kernel_set.flags)).encode() + version.encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    target = _cache_dir() / f"kunlun_cpu-{kernel_set.name}-{digest.hexdigest()[:16]}.so"
+    return _cache_dir() / f"kunlun_cpu-{kernel_set.name}-{digest.hexdigest()[:16]}.so"
+
+
+def _build(cc: str, kernel_set: KernelSet) -> Path:
+    """Compile the sources for ``kernel_set`` into the cache, once per sources, flags and compiler."""
+    target = _target(cc, kernel_set)
     if not target.exists():
         compile_sources(cc, kernel_set, SOURCES, target)
     return target
@@ -191,7 +200,13 @@ def load(kernel_set: KernelSet) -> ctypes.CDLL:
     name, path = compiler()
     if path is None:
         raise OSError(f"no C compiler '{name}' found (set $CC)")
-    return open_library(_build(path, kernel_set))
+    built = _build(path, kernel_set)
+    lib = open_library(built)
+    try:
+        cpu_tuning.apply(lib, built)
+    except OSError as exc:  # no lock or record in the cache: the compiled defaults stay
+        log.warning("the native GEMMs keep their default ways: could not record what this CPU measured (%s)", exc)
+    return lib
 
 
 @functools.cache
@@ -233,4 +248,8 @@ def describe_planned() -> str:
     cc, path = compiler()
     if path is None:
         return f"torch (no C compiler '{cc}' to build the {kernel_set.name} kernels)"
-    return f"{name} ({reason})"
+    try:
+        tuning = cpu_tuning.recorded(_target(path, kernel_set))
+    except (OSError, subprocess.SubprocessError):
+        tuning = None
+    return f"{name} ({reason}{'; ' + tuning.describe() if tuning else ''})"

@@ -13,15 +13,15 @@
  * OpenMP threads. A decode step (M <= MR) reads each weight exactly once, at memory speed; a prefill
  * reuses each tile from cache for every block of rows, bounded by the FMA units.
  *
- * With AVX2 a prefill (M > MR; bf16 from 9 rows, see chunked) takes each tile KC reductions at a time: the chunk,
- * widened to float32 once when the weight is bf16, stays in the first-level cache while every block of rows
- * multiplies it, and the blocks' sums wait in a small float32 buffer between chunks; the additions and their order
- * are those of one pass. Measured on a Zen 3 EPYC (AVX2 only, FMA peak ~175 GFLOP/s), in turns against one pass
- * over K, at 48 and 256 rows of the 0.5B model's layer shapes: bf16 1.36-1.64x (65-73 -> 94-111 GFLOP/s), float32
- * 1.0-1.2x. While the blocks multiply one chunk, the weight's next chunk is asked for, a share per block; with 96
- * rows per pass over the weight (MC), rows packed in order and the chunk loop unrolled twice, the same GEMMs at 256
- * rows took 1.39x less time again (bf16 104-127 -> 136-144 GFLOP/s, 77-80% of the probe beside them; float32 73-110
- * -> 107-128), the results bit for bit the same.
+ * With AVX2 a prefill (from a number of rows measured per CPU, see chunked) takes each tile KC reductions at a time:
+ * the chunk, widened to float32 once when the weight is bf16, stays in the first-level cache while every block of rows
+ * multiplies it, and the blocks' sums wait in a small float32 buffer between chunks; the additions and their order are
+ * those of one pass. Measured on a Zen 3 EPYC (AVX2 only, FMA peak ~175 GFLOP/s), in turns against one pass over K, at
+ * 48 and 256 rows of the 0.5B model's layer shapes: bf16 1.36-1.64x (65-73 -> 94-111 GFLOP/s), float32 1.0-1.2x. While
+ * the blocks multiply one chunk, the weight's next chunk is asked for, a share per block; with 96 rows per pass over
+ * the weight (MC), rows packed in order and the chunk loop unrolled twice, the same GEMMs at 256 rows took 1.39x less
+ * time again (bf16 104-127 -> 136-144 GFLOP/s, 77-80% of the probe beside them; float32 73-110 -> 107-128), the results
+ * bit for bit the same.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -202,12 +202,16 @@ INLINE void block_of_rows(const float *a, const void *w, const int wkind, int64_
 /* reductions per chunk of a prefill's tile: KC x NR float32 weights (16 KiB) and a block's KC x MR rows
  * (6 KiB) fit the first-level cache together */
 #define KC 256
-/* Rows from which a GEMM takes its tiles in chunks: more than MR, and with bf16 weights at least MR + 3.
- * Below, the blocks read each tile whole (a bf16 decode step of 7 or 8 rows: 6, then 1 or 2 rows whose sets
- * of sums take turns over K, which the chunks' one set cannot). Zen 3, in turns, a whole 0.5B model's GEMMs
- * (every weight its own copy, 1 GB of bf16 streamed as a decode step does): bf16 at 7 and 8 rows took 12-19%
- * less time whole than in chunks, even at 9 rows, the chunks faster from 10; float32 at 8 rows 2-5% slower. */
-INLINE int chunked(int64_t m, const int wkind) { return m > MR + (wkind == WEIGHT_BF16 ? 2 : 0); }
+/* Rows from which a GEMM takes its tiles in chunks, per weight kind (kunlun_gemm_set_chunk_rows; more than MR).
+ * Below, the blocks read each tile whole (a bf16 decode step of 7 or 8 rows: 6, then 1 or 2 rows whose sets of
+ * sums take turns over K, which the chunks' one set cannot). Which is faster differs between CPUs, so the engine
+ * measures it on each at first use (cpu_tuning.py) and sets it here; these defaults are what Zen 3 measured, in
+ * turns, on a whole 0.5B model's GEMMs (every weight its own copy, 1 GB of bf16 streamed as a decode step does):
+ * bf16 at 7 and 8 rows took 12-19% less time whole than in chunks, even at 9 rows, the chunks faster from 10;
+ * float32 at 8 rows 2-5% slower. Zen 4 measured chunks 1.4-1.5x slower at 8-32 float32 rows and 1.25-1.5x at
+ * 10-24 bf16 rows, faster only from ~48 bf16 rows. */
+static int64_t chunk_rows[2] = {MR + 1, MR + 3};
+INLINE int chunked(int64_t m, const int wkind) { return m >= chunk_rows[wkind]; }
 
 /* C [rows][NR] (float32 sums so far) += A [kc][MR] (the first `rows` lanes) @ Wf [kc][NR] (float32) */
 INLINE void chunk_kernel(const float *a, const float *wf, int64_t kc, float *c, const int rows) {
@@ -257,6 +261,30 @@ INLINE void tile_in_chunks(const float *a, int64_t blocks, int64_t mc, const voi
     }
 }
 #endif
+
+/* Rows from which float32 and bf16 GEMMs take their tiles in chunks (see chunked; raised to MR + 1 at least,
+ * and INT64_MAX for never). Returns 0, or -1 where the kernel set has no chunked tiles (AVX-512). Not to be
+ * called while a GEMM runs. */
+int kunlun_gemm_set_chunk_rows(int64_t f32_rows, int64_t bf16_rows) {
+#if VLEN == 8
+    chunk_rows[WEIGHT_F32] = f32_rows > MR ? f32_rows : MR + 1;
+    chunk_rows[WEIGHT_BF16] = bf16_rows > MR ? bf16_rows : MR + 1;
+    return 0;
+#else
+    (void)f32_rows, (void)bf16_rows;
+    return -1;
+#endif
+}
+
+/* The rows from which GEMMs of weight kind `bf16` (0: float32) take their tiles in chunks; -1 without chunks. */
+int64_t kunlun_gemm_chunk_rows(int bf16) {
+#if VLEN == 8
+    return chunk_rows[bf16 ? WEIGHT_BF16 : WEIGHT_F32];
+#else
+    (void)bf16;
+    return -1;
+#endif
+}
 
 /* The row buffer of a GEMM of M rows: MC rows at a time, in whole blocks (NULL without memory). */
 static float *row_buffer(int64_t m, int64_t k) {
