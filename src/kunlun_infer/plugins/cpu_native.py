@@ -204,7 +204,7 @@ def load(kernel_set: KernelSet) -> ctypes.CDLL:
     lib = open_library(built)
     try:
         cpu_tuning.apply(lib, built)
-    except OSError as exc:  # no lock or record in the cache: the compiled defaults stay
+    except (OSError, MemoryError) as exc:  # no lock or record in the cache, no memory: the compiled defaults stay
         log.warning("the native GEMMs keep their default ways: could not record what this CPU measured (%s)", exc)
     return lib
 

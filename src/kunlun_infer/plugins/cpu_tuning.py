@@ -114,7 +114,7 @@ def measure(lib: ctypes.CDLL, kind: str, rows_list=CANDIDATE_ROWS, turns: int = 
             weights.append((packed, n, k))
     gemm = getattr(lib, gemm_name)
     other = lib.kunlun_gemm_chunk_rows(1 - position)
-    x = {k: torch.randn(max(rows_list), k, generator=g).to(dtype) for k in {k for _, k in LAYER_SHAPES}}
+    x = {k: torch.randn(max(rows_list), k, generator=g).to(dtype) for k in sorted({k for _, k in LAYER_SHAPES})}
     out = torch.empty(max(rows_list) * max(n for n, _ in LAYER_SHAPES), dtype=dtype)
 
     def run(rows: int, chunk_from: int) -> float:
@@ -123,7 +123,8 @@ def measure(lib: ctypes.CDLL, kind: str, rows_list=CANDIDATE_ROWS, turns: int = 
         lib.kunlun_gemm_set_chunk_rows(*both)
         start = clock()
         for packed, n, k in weights:
-            gemm(packed.data_ptr(), x[k].data_ptr(), None, out.data_ptr(), rows, n, k)  # its first `rows` rows
+            if gemm(packed.data_ptr(), x[k].data_ptr(), None, out.data_ptr(), rows, n, k):  # x[k]'s first rows
+                raise MemoryError(f"no memory for the row buffer of a {rows}-row GEMM")
         return clock() - start
 
     ratios = {}
