@@ -120,7 +120,8 @@ def test_the_choice_is_measured_once_recorded_and_set_into_the_library(avx2_libr
 
 
 def test_plugins_show_what_this_cpu_measured(avx2_library, monkeypatch, tmp_path):
-    """A fresh cache: ``plugins`` names the set only; once the kernels are loaded (and measured), the choice."""
+    """A fresh cache: ``plugins`` names the set only; once the kernels are loaded (and measured), the choice,
+    as the selection's reason does."""
     kernel_set = cpu_native.selection().kernel_set
     built = cpu_native._target(cpu_native.compiler()[1], kernel_set)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -130,4 +131,6 @@ def test_plugins_show_what_this_cpu_measured(avx2_library, monkeypatch, tmp_path
     cpu_native.load.__wrapped__(kernel_set)
     shown = cpu_native.describe_planned()
     assert shown.startswith("avx2 (")
-    assert "GEMM tiles in chunks: float32 from 48 rows, bfloat16 from 48 rows (measured on this CPU)" in shown
+    measured = "GEMM tiles in chunks: float32 from 48 rows, bfloat16 from 48 rows (measured on this CPU)"
+    assert measured in shown
+    assert cpu_native.selection.__wrapped__().reason.endswith(measured)  # what the benchmarks record

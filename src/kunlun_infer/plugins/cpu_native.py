@@ -227,7 +227,7 @@ def selection() -> Selection:
     if amx:
         return Selection("amx", kernel_set, lib, "onednn",
                          f"bf16 linear through oneDNN's AMX tiles, the rest {kernel_set.name}: {reason}")
-    return Selection(kernel_set.name, kernel_set, lib, "native", reason)
+    return Selection(kernel_set.name, kernel_set, lib, "native", reason + _measured_note(kernel_set))
 
 
 def library() -> ctypes.CDLL | None:
@@ -248,8 +248,14 @@ def describe_planned() -> str:
     cc, path = compiler()
     if path is None:
         return f"torch (no C compiler '{cc}' to build the {kernel_set.name} kernels)"
+    return f"{name} ({reason}{_measured_note(kernel_set)})"
+
+
+def _measured_note(kernel_set: KernelSet) -> str:
+    """``"; "`` and what the build of ``kernel_set`` measured on this CPU (:mod:`cpu_tuning`), or ``""``."""
+    _, path = compiler()
     try:
-        tuning = cpu_tuning.recorded(_target(path, kernel_set))
+        tuning = None if path is None else cpu_tuning.recorded(_target(path, kernel_set))
     except (OSError, subprocess.SubprocessError):
         tuning = None
-    return f"{name} ({reason}{'; ' + tuning.describe() if tuning else ''})"
+    return f"; {tuning.describe()}" if tuning else ""
