@@ -12,9 +12,10 @@ user's cache (``$XDG_CACHE_HOME/kunlun_infer/kernels``, keyed by sources,
 flags and compiler) the first time a kernel is needed, and loads it (an
 AVX2 build then measures once per CPU from how many rows its GEMMs take
 tiles in chunks: :mod:`~kunlun_infer.plugins.cpu_tuning`). On a CPU with
-AMX the bf16 linear goes to oneDNN's tile kernels instead (set ``amx``). With no set fitting the CPU, no compiler, or a failed build, the
-ops keep to their torch implementations; the reason is logged once and shown
-by ``kunlun-infer plugins`` and ``doctor``. The kernels parallelise with
+AMX the bf16 linear goes to oneDNN's tile kernels instead (set ``amx``).
+With no set fitting the CPU, no compiler, or a failed build, the ops keep
+to their torch implementations; the reason is logged once and shown by
+``kunlun-infer plugins`` and ``doctor``. The kernels parallelise with
 OpenMP on the runtime torch already loaded, so they follow
 ``torch.set_num_threads``.
 """
@@ -139,14 +140,19 @@ def compile_sources(cc: str, kernel_set: KernelSet, sources: tuple[Path, ...], t
             os.unlink(tmp)
 
 
-def _target(cc: str, kernel_set: KernelSet) -> Path:
-    """Where the build of the sources for ``kernel_set`` by ``cc`` lives in the cache (keyed by sources, flags and
-    compiler)."""
+@functools.cache
+def _digest(cc: str, kernel_set: KernelSet) -> str:
+    """The build's key: its sources, flags and compiler (asked for its version once per process)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(" ".join((*COMMON_FLAGS, *kernel_set.flags)).encode() + version.encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    return _cache_dir() / f"kunlun_cpu-{kernel_set.name}-{digest.hexdigest()[:16]}.so"
+    return digest.hexdigest()[:16]
+
+
+def _target(cc: str, kernel_set: KernelSet) -> Path:
+    """Where the build of the sources for ``kernel_set`` by ``cc`` lives in the cache."""
+    return _cache_dir() / f"kunlun_cpu-{kernel_set.name}-{_digest(cc, kernel_set)}.so"
 
 
 def _build(cc: str, kernel_set: KernelSet) -> Path:

@@ -100,7 +100,7 @@ def measure(lib: ctypes.CDLL, kind: str, rows_list=CANDIDATE_ROWS, turns: int = 
             clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
     """Per row count, the median over ``turns`` of (GEMMs in chunks) / (GEMMs whole), for ``kind`` weights.
     The other kind's setting is kept; this kind's is left at the last way measured (:func:`apply` sets it)."""
-    dtype, pack_name, gemm_name, position = KINDS[kind]
+    dtype, pack_name, gemm_name, _ = KINDS[kind]
     layer = sum(n * k for n, k in LAYER_SHAPES) * dtype.itemsize
     copies = -(-WEIGHT_BYTES // layer)
     g = torch.Generator().manual_seed(0)
@@ -113,14 +113,12 @@ def measure(lib: ctypes.CDLL, kind: str, rows_list=CANDIDATE_ROWS, turns: int = 
             getattr(lib, pack_name)(w.data_ptr(), packed.data_ptr(), n, k)
             weights.append((packed, n, k))
     gemm = getattr(lib, gemm_name)
-    other = lib.kunlun_gemm_chunk_rows(1 - position)
+    others = {other: lib.kunlun_gemm_chunk_rows(KINDS[other][3]) for other in KINDS if other != kind}
     x = {k: torch.randn(max(rows_list), k, generator=g).to(dtype) for k in sorted({k for _, k in LAYER_SHAPES})}
     out = torch.empty(max(rows_list) * max(n for n, _ in LAYER_SHAPES), dtype=dtype)
 
     def run(rows: int, chunk_from: int) -> float:
-        both = [other, other]
-        both[position] = chunk_from
-        lib.kunlun_gemm_set_chunk_rows(*both)
+        _set(lib, {**others, kind: chunk_from})
         start = clock()
         for packed, n, k in weights:
             if gemm(packed.data_ptr(), x[k].data_ptr(), None, out.data_ptr(), rows, n, k):  # x[k]'s first rows
