@@ -6,12 +6,18 @@ warm-up of a few cycles, the process's threads, open file descriptors, child
 processes and resident memory must not grow. A few tensor-parallel cycles
 (a spawned worker each) check that workers, their pipes and the engine's
 heartbeat thread go with every close.
+
+Each runs in an interpreter of its own: threads that libraries other tests used keep and resize by themselves
+(gRPC's event-engine pool, which a Ray client leaves in the process) would otherwise count as this engine's.
 """
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import psutil
 
@@ -40,7 +46,24 @@ def footprint() -> dict[str, int]:
             "children": sum(ours(c) for c in me.children(recursive=True)), "rss": me.memory_info().rss}
 
 
+def in_fresh_interpreter(check: str, folder: Path) -> None:
+    """Run ``check(folder)`` of this module in a new Python process (this test's environment, one torch thread);
+    its failure fails the test with its output."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tests.hardening.test_lifecycle", check, str(folder)], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{check} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
 def test_create_generate_close_cycles_leak_no_threads_files_processes_or_memory(tiny_folder):
+    in_fresh_interpreter("engine_cycles", tiny_folder)
+
+
+def test_tensor_parallel_cycles_leave_no_worker_pipe_or_thread(tiny_folder):
+    in_fresh_interpreter("tensor_parallel_cycles", tiny_folder)
+
+
+def engine_cycles(tiny_folder: Path) -> None:
     cfg = compose_config(tiny_overrides(tiny_folder, model__max_model_len=64, scheduler__max_num_seqs=2,
                                         scheduler__max_num_batched_tokens=32, cache__num_blocks=8))
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -62,7 +85,7 @@ def test_create_generate_close_cycles_leak_no_threads_files_processes_or_memory(
                                f"{before['rss'] >> 20} -> {after['rss'] >> 20} MiB"
 
 
-def test_tensor_parallel_cycles_leave_no_worker_pipe_or_thread(tiny_folder):
+def tensor_parallel_cycles(tiny_folder: Path) -> None:
     cfg = compose_config(tiny_overrides(tiny_folder, model__max_model_len=64, cache__num_blocks=8,
                                         parallel__tensor_size=2))
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -77,3 +100,10 @@ def test_tensor_parallel_cycles_leave_no_worker_pipe_or_thread(tiny_folder):
         before = before or now
         for key in ("threads", "python_threads", "fds"):
             assert now[key] <= before[key], f"{key} grew at cycle {cycle}: {before} -> {now}"
+
+
+if __name__ == "__main__":
+    import torch
+
+    torch.set_num_threads(1)
+    {"engine_cycles": engine_cycles, "tensor_parallel_cycles": tensor_parallel_cycles}[sys.argv[1]](Path(sys.argv[2]))
