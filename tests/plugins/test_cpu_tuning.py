@@ -24,10 +24,14 @@ from tests.kernel_sets import _choose, native_kernel_set  # noqa: F401 - fixture
 @pytest.mark.parametrize("ratios, expected", [
     ({8: 0.9, 10: 0.8, 16: 0.7, 96: 0.9}, 8),  # chunks faster everywhere
     ({8: 1.5, 10: 1.3, 16: 1.1, 48: 0.95, 96: 0.9}, 48),  # whole for few rows, chunks from 48
-    ({8: 1.2, 10: 0.9, 16: 1.05, 24: 0.9, 96: 0.8}, 24),  # a lone win below a loss does not count
-    ({8: 1.4, 32: 0.9, 96: 1.0}, None),  # chunks not faster at the most rows measured: never
+    ({8: 1.2, 10: 0.9, 16: 1.05, 24: 0.9, 96: 0.8}, 10),  # a small loss between wins: chunks still from 10
+    ({8: 1.2, 10: 0.97, 16: 1.3, 24: 0.9, 96: 0.8}, 24),  # a win that does not make up for the loss above it
+    ({8: 1.5, 32: 0.9, 48: 0.88, 96: 1.02, 256: 0.85}, 32),  # one count's noise does not make it "never"
+    ({8: 1.4, 32: 0.9, 96: 1.0}, 32),  # a tie at the most rows: the win below decides
+    ({8: 1.4, 32: 1.0, 96: 1.0}, None),  # ties only: tiles stay whole (never)
+    ({8: 1.4, 32: 0.95, 96: 1.1}, None),  # the loss at the most rows outweighs the win: never
 ])
-def test_chunks_start_where_they_win_from_there_on(ratios, expected):
+def test_chunks_start_where_they_make_the_measured_rows_fastest(ratios, expected):
     assert cpu_tuning.choose(ratios) == expected
 
 

@@ -16,9 +16,9 @@ So the first time a build of those kernels is loaded on a CPU,
 :func:`apply` measures it. For each weight kind, GEMMs of a 0.5B model's
 layer shapes (at least :data:`WEIGHT_BYTES` of weights, more than a
 last-level cache holds, streamed as a step streams them) run both ways in
-turns at each of :data:`CANDIDATE_ROWS`; tiles go in chunks from the fewest
-rows at which the chunks were faster there and at every larger count
-measured (never, if they lost at the largest). The choice is written beside
+turns at each of :data:`CANDIDATE_ROWS`; tiles go in chunks from the row
+count that makes the measured counts fastest together (:func:`choose`), or
+never. The choice is written beside
 the library (``<library>.tuning.json``, one entry per CPU model and thread
 count; delete it to measure again), set into the library at every load, and
 shown by ``kunlun-infer plugins`` and ``doctor``. Processes that load the
@@ -46,8 +46,9 @@ from kunlun_infer.plugins.cpu_device import cpu_model
 
 log = logging.getLogger("kunlun_infer.plugin.torch-ops")
 
-#: row counts measured both ways (a decode step of a few rows up to one pass of MC = 96 rows over a weight)
-CANDIDATE_ROWS = (8, 10, 12, 16, 24, 32, 48, 64, 96)
+#: row counts measured both ways: a decode step of a few rows up to one pass of MC = 96 rows over a weight, and a
+#: prompt's 256 rows (three passes), so that the choice also rests on a count prompts run at
+CANDIDATE_ROWS = (8, 10, 12, 16, 24, 32, 48, 64, 96, 256)
 #: turns of both ways at each row count (the median of the ratios decides)
 TURNS = 3
 #: one layer of a 0.5B model (qkv, o, gate_up, down as [out, in]); copies of it make up WEIGHT_BYTES at least
@@ -80,12 +81,16 @@ def has_chunks(lib: ctypes.CDLL) -> bool:
 
 
 def choose(ratios: dict[int, float]) -> int | None:
-    """The fewest rows from which chunks were faster (ratio below 1) at every row count measured, or ``None``."""
-    chosen = None
+    """The row count from which taking tiles in chunks makes the measured counts fastest together: the one whose
+    counts at and above it have the smallest product of ratios (chunks / whole), below 1; ``None`` (never) where
+    none is. A product, not a win at every count: near 96 rows the two ways are within a few per cent on Zen 4,
+    and one count's noise had turned a win into "never" (10% slower prompts in bf16). Of equal products the larger
+    count is taken (nothing measured for going further)."""
+    chosen, best, product = None, 1.0, 1.0
     for rows in sorted(ratios, reverse=True):
-        if ratios[rows] >= 1.0:
-            break
-        chosen = rows
+        product *= ratios[rows]
+        if product < best:
+            chosen, best = rows, product
     return chosen
 
 
