@@ -117,9 +117,13 @@ def test_the_choice_is_measured_once_recorded_and_set_into_the_library(avx2_libr
     assert measured == ["float32", "bfloat16"]  # read, not measured again
     assert (lib.kunlun_gemm_chunk_rows(0), lib.kunlun_gemm_chunk_rows(1)) == (32, cpu_tuning.NEVER)
 
-    monkeypatch.setattr(cpu_tuning, "cpu_model", lambda: "another CPU")  # a shared cache on another machine
+    monkeypatch.setattr(cpu_tuning, "PROCEDURE", cpu_tuning.PROCEDURE + 1)  # measured and chosen another way now
     cpu_tuning.apply(lib, library_path, fake_measure)
     assert measured == ["float32", "bfloat16"] * 2
+
+    monkeypatch.setattr(cpu_tuning, "cpu_model", lambda: "another CPU")  # a shared cache on another machine
+    cpu_tuning.apply(lib, library_path, fake_measure)
+    assert measured == ["float32", "bfloat16"] * 3
     assert len(json.loads(cpu_tuning.tuning_file(library_path).read_text())) == 2
 
 

@@ -18,9 +18,10 @@ layer shapes (at least :data:`WEIGHT_BYTES` of weights, more than a
 last-level cache holds, streamed as a step streams them) run both ways in
 turns at each of :data:`CANDIDATE_ROWS`; tiles go in chunks from the row
 count that makes the measured counts fastest together (:func:`choose`), or
-never. The choice is written beside
-the library (``<library>.tuning.json``, one entry per CPU model and thread
-count; delete it to measure again), set into the library at every load, and
+never. The choice is written beside the library (``<library>.tuning.json``,
+one entry per CPU model and thread count, measured again when
+:data:`PROCEDURE` changes or the file is deleted), set into the library at
+every load, and
 shown by ``kunlun-infer plugins`` and ``doctor``. Processes that load the
 same build at once measure it once (a lock), the others wait and read it.
 Kernel sets with one way only (AVX-512) measure nothing.
@@ -54,6 +55,8 @@ TURNS = 3
 #: one layer of a 0.5B model (qkv, o, gate_up, down as [out, in]); copies of it make up WEIGHT_BYTES at least
 LAYER_SHAPES = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 WEIGHT_BYTES = 64 << 20
+#: how the choice is measured and made; a record of another procedure (or of none: the first) is measured again
+PROCEDURE = 2
 #: what the C kernels take for "never in chunks"
 NEVER = 2 ** 63 - 1
 #: weight kinds: name -> (torch dtype, pack, GEMM, the kind's argument position in kunlun_gemm_set_chunk_rows)
@@ -169,7 +172,7 @@ def recorded(library_path: Path) -> Tuning | None:
     """The choice measured for the build at ``library_path`` on this CPU and thread count, if there is one."""
     entry = _read(tuning_file(library_path)).get(_key())
     try:
-        return None if entry is None else _from_entry(entry)
+        return None if entry is None or entry.get("procedure") != PROCEDURE else _from_entry(entry)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -191,7 +194,7 @@ def apply(lib: ctypes.CDLL, library_path: Path,
             ratios = {kind: (measure_kind or measure)(lib, kind) for kind in KINDS}
             tuning = Tuning({kind: choose(r) for kind, r in ratios.items()}, ratios, time.perf_counter() - start)
             entries = _read(path)
-            entries[_key()] = dataclasses.asdict(tuning)
+            entries[_key()] = {**dataclasses.asdict(tuning), "procedure": PROCEDURE}
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
             with os.fdopen(fd, "w") as f:
                 json.dump(entries, f, indent=1)
