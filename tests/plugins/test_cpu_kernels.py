@@ -198,14 +198,15 @@ def test_native_gemm_matches_f_linear_for_every_row_count(native_kernel_set, dty
                                          bias=False, dtype=dtype)
 
 
-@pytest.mark.parametrize("rows", [18, 100])
+@pytest.mark.parametrize("rows", [18, 100, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_kernel_set, dtype, rows):
     """With AVX2 a GEMM of more rows than one block may take K in chunks of 256 (600 features: three, the last
     ragged) and keep the sums between chunks: the same additions in the same order as a call with one block
     of 4-6 rows (one pass over K), so 18 rows at once equal three calls of 6 bit for bit, whichever way this
     CPU measured faster (``cpu_tuning``) and either way forced. 100 rows are packed 96 at a time, the last
-    block of 4 rows short."""
+    block of 4 rows short; 300 in four passes, packed into two buffers in turn while other threads may still
+    multiply the pass before (the weight's three tiles do not share evenly among two threads)."""
     if dtype is torch.bfloat16 and cpu_native.selection().bf16_linear != "native":
         assert native_kernel_set == "amx"
         return
