@@ -306,14 +306,15 @@ def test_model_on_cpu_ops_matches_transformers_and_counts_packed_weights(tmp_pat
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("out_features, in_features", [(24, 40), (33, 258), (64, 7), (5, 1)])
 def test_int8_kernel_equals_the_reference_bit_for_bit(native_kernel_set, dtype, out_features, in_features):
-    # ragged tiles, reductions not a multiple of four, every row-block remainder; the integer sums are exact
-    # and the scaling rounds as the reference does, so nothing may differ
+    # ragged tiles, reductions not a multiple of four, every row-block remainder, and 300 rows in several passes
+    # (two buffers used in turn while other threads may still multiply the pass before); the integer sums are
+    # exact and the scaling rounds as the reference does, so nothing may differ
     g = torch.Generator().manual_seed(out_features + in_features)
     q, scale = reference.quantize_int8(torch.randn(out_features, in_features, generator=g))
     packed = cpu_kernels.pack_int8_linear_weight(q, scale)
     assert cpu_gemm.is_packed_int8(packed)
     bias = torch.randn(out_features, generator=g).to(dtype)
-    for rows in _ROWS:
+    for rows in (*_ROWS, 300):
         x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
         for b in (bias, None):
             got = cpu_kernels.int8_linear(x, packed, b)

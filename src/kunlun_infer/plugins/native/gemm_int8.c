@@ -232,20 +232,25 @@ INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const floa
     const int64_t tiles = (n + NR - 1) / NR, groups = (k + 3) / 4;
     const float *scales = (const float *)(p + tiles * NR * groups * 4);
     const int32_t *offsets = (const int32_t *)(scales + tiles * NR);
-    const int64_t rows_max = m < MC ? (m + MR - 1) / MR * MR : MC;
-    uint32_t *packed = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)rows_max * (size_t)groups * XW);
-    float *sx = (float *)malloc(sizeof(float) * (size_t)rows_max);
-    if (packed == NULL || sx == NULL) {
-        free(packed);
-        free(sx);
+    /* one pass's quantized rows and their scales, two where there is more than one pass: passes use them in
+     * turn, so the team waits once a pass (as gemm.c's gemm_share explains) */
+    const int64_t rows_max = m < MC ? (m + MR - 1) / MR * MR : MC, halves = m > MC ? 2 : 1;
+    const int64_t pass_words = (rows_max * groups * XW + 15) / 16 * 16;
+    uint32_t *quantized = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(pass_words * halves));
+    float *scales_x = (float *)malloc(sizeof(float) * (size_t)(rows_max * halves));
+    if (quantized == NULL || scales_x == NULL) {
+        free(quantized);
+        free(scales_x);
         return -1;
     }
     #pragma omp parallel if (m * n * k >= 32768)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;
         const int64_t blocks = (mc + MR - 1) / MR, per_block = MR;  /* full blocks, then the rest (as gemm.c) */
-        quantize_rows((const char *)x + m0 * k * (xbf16 ? 2 : 4), xbf16, mc, k, per_block, packed, sx);
-        #pragma omp for schedule(static)
+        uint32_t *packed = quantized + m0 / MC % 2 * pass_words;
+        float *sx = scales_x + m0 / MC % 2 * rows_max;
+        quantize_rows((const char *)x + m0 * k * (xbf16 ? 2 : 4), xbf16, mc, k, per_block, packed, sx);  /* a wait */
+        #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
             const int8_t *w = p + t * groups * NR * 4;
             const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
@@ -261,8 +266,8 @@ INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const floa
             }
         }
     }
-    free(packed);
-    free(sx);
+    free(quantized);
+    free(scales_x);
     return 0;
 }
 
