@@ -14,9 +14,14 @@ folder holding the sources; or the working tree's sources with some files
 replaced, ``NAME=gemm.c:/tmp/gemm_variant.c[,simd.h:/tmp/simd.h]``; ``.``
 is the working tree as it is. Each build is compiled for the kernel set
 this process chooses (``KUNLUN_INFER_CPU_ISA=avx2`` takes the AVX2 one on a
-newer CPU) with the flags ``cpu_native`` uses, and where it has the AVX2
-GEMMs' two ways, measures from how many rows it takes chunks as the engine
-does (``cpu_tuning``; a build from before that keeps its compiled choice).
+newer CPU) with the flags ``cpu_native`` uses. Where the builds have the
+AVX2 GEMMs' two ways, from how many rows they take chunks is measured as the
+engine does (``cpu_tuning``) on the first build and set into every other
+one, so that builds are compared on the same way rather than on two
+measurements of near-equal ways on a noisy host (``--chunk-rows each``: every
+build measures its own, as the engine would; ``--chunk-rows 64,32``: float32
+and bf16 rows set into every build, ``never`` for either). A build from
+before the setting keeps its compiled choice.
 
 Work:
 
@@ -88,7 +93,9 @@ def sources(spec: str, into: Path) -> Path:
     return into
 
 
-def build(name: str, spec: str, work: Path) -> ctypes.CDLL:
+def build(name: str, spec: str, work: Path, chunk_rows: dict[str, int | None] | None = None) -> ctypes.CDLL:
+    """Compile and load the build ``spec`` as ``name``; its GEMMs take chunks from ``chunk_rows`` (``None``:
+    measured, as the engine does)."""
     kernel_set = cpu_native.selection().kernel_set
     if kernel_set is None:
         raise SystemExit(f"no native kernels here: {cpu_native.selection().reason}")
@@ -99,10 +106,37 @@ def build(name: str, spec: str, work: Path) -> ctypes.CDLL:
     target = work / f"{name}.so"
     cpu_native.compile_sources(path, kernel_set, tuple(sorted(folder.glob("*.c"))), target)
     lib = cpu_native.open_library(target, strict=False)
-    tuning = cpu_tuning.apply(lib, target)  # what the engine measures on this CPU for a build of these sources
-    if tuning is not None:
-        print(f"{name}: {tuning.describe()}", flush=True)
+    if cpu_tuning.has_chunks(lib):
+        if chunk_rows is None:  # what the engine measures on this CPU for a build of these sources
+            print(f"{name}: {cpu_tuning.apply(lib, target).describe()}", flush=True)
+        else:
+            cpu_tuning.set_chunk_rows(lib, chunk_rows)
+            print(f"{name}: {cpu_tuning.describe_chunk_rows(chunk_rows, 'set')}", flush=True)
     return lib
+
+
+def chunk_rows_option(value: str) -> str | dict[str, int | None]:
+    """``--chunk-rows``: ``first``, ``each``, or ``F32,BF16`` row counts (``never`` for either)."""
+    if value in ("first", "each"):
+        return value
+    parts = value.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return {kind: None if part == "never" else int(part) for kind, part in zip(cpu_tuning.KINDS, parts)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give first, each, or two row counts FLOAT32,BF16 "
+                                         f"(never for either), e.g. 64,32") from None
+
+
+def build_all(named: dict[str, str], work: Path, chunk_rows: str | dict[str, int | None]) -> dict[str, ctypes.CDLL]:
+    """Every build, loaded, with the chunk rows ``--chunk-rows`` says (``first``: the first build's measurement)."""
+    libs = {}
+    for name, spec in named.items():
+        lib = libs[name] = build(name, spec, work, chunk_rows if isinstance(chunk_rows, dict) else None)
+        if chunk_rows == "first" and cpu_tuning.has_chunks(lib):
+            chunk_rows = cpu_tuning.chunk_rows_of(lib)
+    return libs
 
 
 def gemm_work(lib: ctypes.CDLL, dtype: torch.dtype, rows: int) -> tuple[Callable[[], None], torch.Tensor]:
@@ -154,6 +188,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rows", default="1,8,32,256", help="gemm: row counts")
     parser.add_argument("--turns", type=int, default=9, help="calls of each build per case, in turns (medians)")
+    parser.add_argument("--chunk-rows", type=chunk_rows_option, default="first",
+                        help="AVX2 GEMMs: from how many rows tiles go in chunks: first (measured on the first build, "
+                             "set into the others), each (every build measures), or FLOAT32,BF16 (e.g. 64,32)")
     parser.add_argument("--json", help="also append the figures, as one JSON object, to this file")
     args = parser.parse_args()
     named = dict(b.split("=", 1) for b in args.builds)
@@ -163,7 +200,7 @@ def main() -> None:
     facts = machine.facts()
     print(machine.describe(facts))
     with tempfile.TemporaryDirectory(prefix="kunlun_builds-") as tmp:
-        libs = {name: build(name, spec, Path(tmp)) for name, spec in named.items()}
+        libs = build_all(named, Path(tmp), args.chunk_rows)
         if args.work == "gemm":
             cases = [(f"{rows} rows", lambda lib, r=rows: gemm_work(lib, dtype, r))
                      for rows in map(int, args.rows.split(","))]
@@ -193,7 +230,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"machine": facts, "work": args.work, "dtype": args.dtype, "builds": named,
-                                "turns": args.turns, "results": results}) + "\n")
+                                "chunk_rows": args.chunk_rows, "turns": args.turns, "results": results}) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``benchmarks/kernel_builds.py`` builds the kernels it is told to from the sources it is told to, so a comparison
 of two builds is of those two builds."""
 
+import argparse
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,3 +52,48 @@ def test_a_build_of_the_working_tree_multiplies_as_the_loaded_kernels_do(kernel_
     assert lib.kunlun_gemm_f32(packed.data_ptr(), x.data_ptr(), None, y.data_ptr(), 3, 40, 24) == 0
     assert torch.equal(y, cpu_gemm.linear(x, packed))
     torch.testing.assert_close(y, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def avx2_set(monkeypatch):
+    """The avx2 kernel set chosen (every x86-64 CPU the suite runs on has it), the choice made again after."""
+    from tests.kernel_sets import _choose
+
+    choice = _choose("avx2", monkeypatch)
+    next(choice)
+    yield
+    next(choice, None)
+
+
+def test_builds_compare_on_the_chunk_rows_the_first_measured_unless_told(kernel_builds, avx2_set, monkeypatch,
+                                                                         tmp_path):
+    """Two builds of near-equal ways measured apart can choose differently on a noisy host, and then a comparison
+    of their code is also one of their ways: by default the first build measures and the others are set to its
+    choice; ``each`` measures every build; two row counts are set into all."""
+    from kunlun_infer.plugins import cpu_tuning
+
+    measured = []
+
+    def fake_measure(lib, kind):  # builds measured one after the other answer 48, 16, 48, ...
+        measured.append(kind)
+        return {8: 1.2, 48: 0.9, 96: 0.9} if len(measured) % 4 in (1, 2) else {8: 1.2, 16: 0.9, 96: 0.9}
+
+    monkeypatch.setattr(cpu_tuning, "measure", fake_measure)
+    built = cpu_native._target(cpu_native.compiler()[1], cpu_native.selection().kernel_set)  # loaded: built
+    # each build a copy of the engine's (a library of its own: its own settings), not compiled again
+    monkeypatch.setattr(cpu_native, "compile_sources", lambda cc, kernel_set, srcs, target: shutil.copy(built, target))
+    first = kernel_builds.build_all({"a": ".", "b": "."}, tmp_path / "first", "first")
+    assert measured == ["float32", "bfloat16"]
+    assert [cpu_tuning.chunk_rows_of(lib) for lib in first.values()] == [{"float32": 48, "bfloat16": 48}] * 2
+
+    each = kernel_builds.build_all({"a": ".", "b": "."}, tmp_path / "each", "each")
+    assert len(measured) == 6
+    assert [cpu_tuning.chunk_rows_of(lib) for lib in each.values()] == [{"float32": 16, "bfloat16": 16},
+                                                                        {"float32": 48, "bfloat16": 48}]
+
+    told = kernel_builds.build_all({"a": "."}, tmp_path / "told", kernel_builds.chunk_rows_option("64,never"))
+    assert len(measured) == 6
+    assert cpu_tuning.chunk_rows_of(told["a"]) == {"float32": 64, "bfloat16": None}
+    for bad in ("64", "a,b", "1,2,3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="two row counts"):
+            kernel_builds.chunk_rows_option(bad)

@@ -74,8 +74,12 @@ class Tuning:
     seconds: float
 
     def describe(self) -> str:
-        rows = ", ".join(f"{kind} {'never' if n is None else f'from {n} rows'}" for kind, n in self.chunk_rows.items())
-        return f"GEMM tiles in chunks: {rows} (measured on this CPU)"
+        return describe_chunk_rows(self.chunk_rows)
+
+
+def describe_chunk_rows(chunk_rows: dict[str, int | None], how: str = "measured on this CPU") -> str:
+    rows = ", ".join(f"{kind} {'never' if n is None else f'from {n} rows'}" for kind, n in chunk_rows.items())
+    return f"GEMM tiles in chunks: {rows} ({how})"
 
 
 def has_chunks(lib: ctypes.CDLL) -> bool:
@@ -97,7 +101,14 @@ def choose(ratios: dict[int, float]) -> int | None:
     return chosen
 
 
-def _set(lib: ctypes.CDLL, chunk_rows: dict[str, int | None]) -> None:
+def chunk_rows_of(lib: ctypes.CDLL) -> dict[str, int | None]:
+    """What ``lib`` is set to (a build with two ways, see :func:`has_chunks`)."""
+    return {kind: None if (rows := lib.kunlun_gemm_chunk_rows(position)) == NEVER else rows
+            for kind, (*_, position) in KINDS.items()}
+
+
+def set_chunk_rows(lib: ctypes.CDLL, chunk_rows: dict[str, int | None]) -> None:
+    """Set into ``lib`` from how many rows each weight kind's GEMMs take tiles in chunks (``None``: never)."""
     args = [0, 0]
     for kind, rows in chunk_rows.items():
         args[KINDS[kind][3]] = NEVER if rows is None else rows
@@ -126,7 +137,7 @@ def measure(lib: ctypes.CDLL, kind: str, rows_list=CANDIDATE_ROWS, turns: int = 
     out = torch.empty(max(rows_list) * max(n for n, _ in LAYER_SHAPES), dtype=dtype)
 
     def run(rows: int, chunk_from: int) -> float:
-        _set(lib, {**others, kind: chunk_from})
+        set_chunk_rows(lib, {**others, kind: chunk_from})
         start = clock()
         for packed, n, k in weights:
             if gemm(packed.data_ptr(), x[k].data_ptr(), None, out.data_ptr(), rows, n, k):  # x[k]'s first rows
@@ -200,5 +211,5 @@ def apply(lib: ctypes.CDLL, library_path: Path,
                 json.dump(entries, f, indent=1)
             os.replace(tmp, path)
             log.info("%s, in %.1f s", tuning.describe(), tuning.seconds)
-    _set(lib, tuning.chunk_rows)
+    set_chunk_rows(lib, tuning.chunk_rows)
     return tuning
