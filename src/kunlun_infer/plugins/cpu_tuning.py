@@ -21,9 +21,9 @@ count that makes the measured counts fastest together (:func:`choose`), or
 never. The choice is written beside the library (``<library>.tuning.json``,
 one entry per CPU model and thread count, measured again when
 :data:`PROCEDURE` changes or the file is deleted), set into the library at
-every load, and
-shown by ``kunlun-infer plugins`` and ``doctor``. Processes that load the
-same build at once measure it once (a lock), the others wait and read it.
+every load, and shown by ``kunlun-infer plugins`` and ``doctor``. Processes
+that load the same build at once measure it once (a lock), the others wait
+and read it.
 Kernel sets with one way only (AVX-512) measure nothing.
 """
 
@@ -91,8 +91,8 @@ def choose(ratios: dict[int, float]) -> int | None:
     """The row count from which taking tiles in chunks makes the measured counts fastest together: the one whose
     counts at and above it have the smallest product of ratios (chunks / whole), below 1; ``None`` (never) where
     none is. A product, not a win at every count: near 96 rows the two ways are within a few per cent on Zen 4,
-    and one count's noise had turned a win into "never" (10% slower prompts in bf16). Of equal products the larger
-    count is taken (nothing measured for going further)."""
+    and one count's noise had turned a win into "never" (bf16 GEMMs of 256 rows then 1-11% slower). Of equal
+    products the larger count is taken (nothing measured for going further)."""
     chosen, best, product = None, 1.0, 1.0
     for rows in sorted(ratios, reverse=True):
         product *= ratios[rows]
