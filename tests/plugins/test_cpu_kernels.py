@@ -174,13 +174,13 @@ def _gemm_way(way: str):
     if way == "as measured":
         yield
         return
-    before = (lib.kunlun_gemm_chunk_rows(0), lib.kunlun_gemm_chunk_rows(1))
-    rows = 0 if way == "in chunks" else cpu_tuning.NEVER  # 0: from the first row past one block
-    lib.kunlun_gemm_set_chunk_rows(rows, rows)
+    before = cpu_tuning.chunk_rows_of(lib)
+    rows = 0 if way == "in chunks" else None  # 0: from the first row past one block; None: never
+    cpu_tuning.set_chunk_rows(lib, dict.fromkeys(before, rows))
     try:
         yield
     finally:
-        lib.kunlun_gemm_set_chunk_rows(*before)
+        cpu_tuning.set_chunk_rows(lib, before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

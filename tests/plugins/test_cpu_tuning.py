@@ -42,9 +42,9 @@ def avx2_library(monkeypatch):
     choice = _choose("avx2", monkeypatch)
     next(choice)
     lib = cpu_native.selection().library
-    before = (lib.kunlun_gemm_chunk_rows(0), lib.kunlun_gemm_chunk_rows(1))
+    before = cpu_tuning.chunk_rows_of(lib)
     yield lib
-    lib.kunlun_gemm_set_chunk_rows(*before)
+    cpu_tuning.set_chunk_rows(lib, before)
     next(choice, None)  # the choice made again for the next test
 
 

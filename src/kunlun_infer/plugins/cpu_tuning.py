@@ -132,7 +132,7 @@ def measure(lib: ctypes.CDLL, kind: str, rows_list=CANDIDATE_ROWS, turns: int = 
             getattr(lib, pack_name)(w.data_ptr(), packed.data_ptr(), n, k)
             weights.append((packed, n, k))
     gemm = getattr(lib, gemm_name)
-    others = {other: lib.kunlun_gemm_chunk_rows(KINDS[other][3]) for other in KINDS if other != kind}
+    others = {other: rows for other, rows in chunk_rows_of(lib).items() if other != kind}
     x = {k: torch.randn(max(rows_list), k, generator=g).to(dtype) for k in sorted({k for _, k in LAYER_SHAPES})}
     out = torch.empty(max(rows_list) * max(n for n, _ in LAYER_SHAPES), dtype=dtype)
 
