@@ -30,7 +30,10 @@ Work:
   ``--dtype``; the outputs of each build are compared with the first's and
   the largest difference printed (0 for builds bit for bit the same);
 - ``prompt-attention``: ``kunlun_paged_prefill_attention`` over the shapes,
-  heads and head size of ``prompt_attention.py``.
+  heads and head size of ``prompt_attention.py``;
+- ``decode-attention``: ``kunlun_paged_decode_attention`` as one decode step
+  of the 0.5B model calls it (its heads, 24 layers each with a cache of its
+  own, blocks scattered), at ``DECODE_SHAPES`` (sequences, context).
 
 Example::
 
@@ -181,10 +184,39 @@ def attention_work(lib: ctypes.CDLL, dtype: torch.dtype, ctx: int, new: int):
     return once, out
 
 
+#: decode-attention cases: (sequences in the step, tokens of context each)
+DECODE_SHAPES = [(8, 256), (8, 1024), (1, 4096)]
+
+
+def decode_attention_work(lib: ctypes.CDLL, dtype: torch.dtype, batch: int, ctx: int):
+    """One decode step's attention over every layer's own paged cache (as cold as a step finds it)."""
+    (hq, hk), d, block_size = prompt_attention.HEADS, prompt_attention.HEAD_SIZE, prompt_attention.BLOCK_SIZE
+    layers = perf_cpu.SHAPES["0.5b"].layers
+    per_seq = -(-ctx // block_size)
+    g = torch.Generator().manual_seed(batch * 31 + ctx)
+    caches = [(torch.randn(batch * per_seq + 4, block_size, hk, d, generator=g).to(dtype),
+               torch.randn(batch * per_seq + 4, block_size, hk, d, generator=g).to(dtype)) for _ in range(layers)]
+    table = torch.randperm(batch * per_seq + 4, generator=g)[:batch * per_seq].to(torch.int32).view(batch, per_seq)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.randn(batch, hq, d, generator=g).to(dtype)
+    out = torch.empty_like(q)
+
+    def once() -> None:
+        for k_cache, v_cache in caches:
+            status = lib.kunlun_paged_decode_attention(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], table.data_ptr(),
+                table.shape[1], lens.data_ptr(), out.data_ptr(), batch, hq, hk, d, block_size, d ** -0.5,
+                dtype is torch.bfloat16)
+            if status != 0:
+                raise RuntimeError(f"kunlun_paged_decode_attention returned {status}")
+
+    return once, out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("builds", nargs="+", help="NAME=SOURCE (see above); the first is the baseline")
-    parser.add_argument("--work", choices=("gemm", "prompt-attention"), default="gemm")
+    parser.add_argument("--work", choices=("gemm", "prompt-attention", "decode-attention"), default="gemm")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rows", default="1,8,32,256", help="gemm: row counts")
     parser.add_argument("--turns", type=int, default=9, help="calls of each build per case, in turns (medians)")
@@ -204,9 +236,12 @@ def main() -> None:
         if args.work == "gemm":
             cases = [(f"{rows} rows", lambda lib, r=rows: gemm_work(lib, dtype, r))
                      for rows in map(int, args.rows.split(","))]
-        else:
+        elif args.work == "prompt-attention":
             cases = [(f"context {ctx}, new {new}", lambda lib, c=ctx, n=new: attention_work(lib, dtype, c, n))
                      for ctx, new in prompt_attention.SHAPES]
+        else:
+            cases = [(f"{batch} x context {ctx}", lambda lib, b=batch, c=ctx: decode_attention_work(lib, dtype, b, c))
+                     for batch, ctx in DECODE_SHAPES]
         results = []
         for label, make in cases:
             works = {name: make(lib) for name, lib in libs.items()}
