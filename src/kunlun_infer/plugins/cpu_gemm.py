@@ -13,11 +13,9 @@ with AMX bf16 weights go to oneDNN instead (see ``cpu_kernels``).
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 
-from kunlun_infer.plugins import cpu_native
+from kunlun_infer.plugins import cpu_memory, cpu_native
 
 #: attribute holding the true output features of a weight packed here
 PACKED_OUT_FEATURES = "_kunlun_gemm_out_features"
@@ -39,33 +37,15 @@ def can_pack(weight: torch.Tensor) -> bool:
             and (weight.dtype is not torch.bfloat16 or weight.shape[1] % 2 == 0) and available(weight.dtype))
 
 
-#: a transparent huge page on x86-64 Linux
-_HUGE_PAGE = 2 << 20
-
-
 def weight_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An empty 1-D tensor for a packed weight, in huge pages where the system grants them.
+    """An empty 1-D tensor for a packed weight, in huge pages where the system grants them
+    (:func:`cpu_memory.host_buffer`).
 
     A decode step streams every weight once; in 4 KiB pages that is a TLB
     miss every 4 KiB (measured, same process, a 0.5B model's decode step:
-    2-5% shorter with the weights in huge pages). A weight of at least one
-    huge page gets a fresh anonymous mapping, aligned to 2 MiB and advised
-    ``MADV_HUGEPAGE`` before anything touches it (the alignment slack is
-    never touched, so it takes no memory); where that is not available
-    (another OS, the advice refused) the weight keeps the usual pages.
+    2-5% shorter with the weights in huge pages).
     """
-    nbytes = numel * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < _HUGE_PAGE or advice is None:
-        return torch.empty(numel, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping for as long as a view lives
-    skip = -whole.data_ptr() % _HUGE_PAGE
-    try:
-        region.madvise(advice, skip - skip % mmap.PAGESIZE, nbytes + skip % mmap.PAGESIZE)
-    except OSError:
-        pass
-    return whole[skip:skip + nbytes].view(dtype)
+    return cpu_memory.host_buffer(numel * dtype.itemsize).view(dtype)
 
 
 #: attribute keeping a bias's float32 copy, with the version of the bias it was made from
