@@ -26,19 +26,26 @@
  * 0.52x the time with AVX-512 (0.65x with AVX2), 8 of 1024 0.48x (0.59x), 1 of 4096 0.48x (0.61x). */
 #define AHEAD (4 * VLEN)
 #define VALUES_AHEAD 64
+/* tokens whose value rows the passes over the values take together: with AVX2 a 64-byte line of bf16 values serves
+ * four passes, which had each read it from the second level again (Zen 4, in turns, 0.80-0.92x the time for 1 x 4096
+ * tokens, 0.92-0.97x for 8 x 1024; within the host's noise with AVX-512, whose two passes read a line each) */
+#define VALUES_TILE 64
 
 INLINE vf load_vec(const void *base, int64_t index, const int bf16) {
     return bf16 ? vf_load_bf16((const uint16_t *)base + index) : vf_loadu((const float *)base + index);
 }
 
-/* The accumulators of one pass below, held in registers: the head and chunk counts are constants here. */
+/* The accumulators of one pass below, held in registers: the head and chunk counts are constants here. Tokens
+ * [t0, t1) of `len`; the sums start from `sums` (float32, laid out as out) unless t0 is 0, and go to `sums` unless
+ * t1 is len, where they are written to out. */
 INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, const float *p, int64_t len,
-                                  int64_t feature, void *out, int64_t at, int64_t d, const int heads,
-                                  const int nchunks, const int bf16, const int ask) {
+                                  int64_t t0, int64_t t1, float *sums, int64_t feature, void *out, int64_t at,
+                                  int64_t d, const int heads, const int nchunks, const int bf16, const int ask) {
     vf acc[MAX_GROUP][VALUE_CHUNKS];
     UNROLL for (int g = 0; g < heads; g++)
-        UNROLL for (int c = 0; c < nchunks; c++) acc[g][c] = vf_zero();
-    for (int64_t t = 0; t < len; t++) {
+        UNROLL for (int c = 0; c < nchunks; c++)
+            acc[g][c] = t0 == 0 ? vf_zero() : vf_loadu(sums + g * d + feature + VLEN * c);
+    for (int64_t t = t0; t < t1; t++) {
         if (ask && t + VALUES_AHEAD < len)  /* the first pass over the values asks for their rows */
             for (int64_t byte = 0; byte < d * (bf16 ? 2 : 4); byte += 64)
                 _mm_prefetch((const char *)v_cache + rows[t + VALUES_AHEAD] * (bf16 ? 2 : 4) + byte, _MM_HINT_T1);
@@ -52,20 +59,25 @@ INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, cons
     UNROLL for (int g = 0; g < heads; g++)
         UNROLL for (int c = 0; c < nchunks; c++) {
             const int64_t i = at + g * d + VLEN * c;
-            if (bf16)
+            if (t1 < len)
+                vf_storeu(sums + g * d + feature + VLEN * c, acc[g][c]);
+            else if (bf16)
                 vf_store_bf16((uint16_t *)out + i, acc[g][c]);
             else
                 vf_storeu((float *)out + i, acc[g][c]);
         }
 }
 
-#define VALUES_CASE(H) \
-    case H: weighted_values_fixed(v_cache, rows, p, len, feature, out, at, d, H, nchunks, bf16, ask); break;
+#define VALUES_CASE(H)                                                                                                \
+    case H:                                                                                                           \
+        weighted_values_fixed(v_cache, rows, p, len, t0, t1, sums, feature, out, at, d, H, nchunks, bf16, ask);      \
+        break;
 
-/* out[at + g * d + f] = sum_t p[g * len + t] * V[t][feature + f] for g < heads, f < nchunks * VLEN */
-INLINE void weighted_values(const void *v_cache, const int64_t *rows, const float *p, int64_t len, int64_t feature,
-                            void *out, int64_t at, int64_t d, int64_t heads, const int nchunks, const int bf16,
-                            const int ask) {
+/* out[at + g * d + f] = sum_t p[g * len + t] * V[t][feature + f] for g < heads, f < nchunks * VLEN, over tokens
+ * [t0, t1) (see weighted_values_fixed) */
+INLINE void weighted_values(const void *v_cache, const int64_t *rows, const float *p, int64_t len, int64_t t0,
+                            int64_t t1, float *sums, int64_t feature, void *out, int64_t at, int64_t d, int64_t heads,
+                            const int nchunks, const int bf16, const int ask) {
     switch (heads) {
         VALUES_CASE(1) VALUES_CASE(2) VALUES_CASE(3) VALUES_CASE(4)
         VALUES_CASE(5) VALUES_CASE(6) VALUES_CASE(7) VALUES_CASE(8)
@@ -76,7 +88,7 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
                      void *out, int64_t b, int64_t h, int64_t hq, int64_t hk, int64_t d, int64_t block_size,
                      float scale, float *work, int64_t *rows, const int bf16) {
     const int64_t group = hq / hk, chunks = d / VLEN;
-    float *qf = work, *kf = work + group * d, *scores = kf + VLEN * d;
+    float *qf = work, *kf = work + group * d, *vsum = kf + VLEN * d, *scores = vsum + group * d;
     /* where each cached token's K/V row of this head starts, looked up once (no division per token and pass) */
     for (int64_t t0 = 0, i = 0; t0 < len; t0 += block_size, i++) {
         const int64_t first = ((int64_t)table[i] * block_size * hk + h) * d;
@@ -165,17 +177,24 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
         for (t = 0; t < len; t += VLEN)
             vf_store_n(s, t, vf_mul(vf_load_n(s, t, len - t, 0), inv), len - t, 0);
     }
-    /* out = probabilities @ values, VALUE_CHUNKS * VLEN features of up to MAX_GROUP query heads per pass */
-    for (int64_t c = 0; c < chunks; c += VALUE_CHUNKS)
-        for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
-            const int64_t gn = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
-            const int64_t at = (b * hq + h * group + g0) * d + VLEN * c;
-            const float *p = scores + g0 * len;
-            if (chunks - c < VALUE_CHUNKS)
-                weighted_values(v_cache, rows, p, len, VLEN * c, out, at, d, gn, 1, bf16, c == 0 && g0 == 0);
-            else
-                weighted_values(v_cache, rows, p, len, VLEN * c, out, at, d, gn, VALUE_CHUNKS, bf16, c == 0 && g0 == 0);
-        }
+    /* out = probabilities @ values, VALUE_CHUNKS * VLEN features of up to MAX_GROUP query heads per pass, the tokens
+     * VALUES_TILE at a time so that their value rows stay in the first-level cache over every pass */
+    for (int64_t t0 = 0; t0 < len; t0 += VALUES_TILE) {
+        const int64_t t1 = len - t0 < VALUES_TILE ? len : t0 + VALUES_TILE;
+        for (int64_t c = 0; c < chunks; c += VALUE_CHUNKS)
+            for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
+                const int64_t gn = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
+                const int64_t at = (b * hq + h * group + g0) * d + VLEN * c;
+                const float *p = scores + g0 * len;
+                float *sums = vsum + g0 * d;
+                const int ask = c == 0 && g0 == 0;
+                if (chunks - c < VALUE_CHUNKS)
+                    weighted_values(v_cache, rows, p, len, t0, t1, sums, VLEN * c, out, at, d, gn, 1, bf16, ask);
+                else
+                    weighted_values(v_cache, rows, p, len, t0, t1, sums, VLEN * c, out, at, d, gn, VALUE_CHUNKS, bf16,
+                                    ask);
+            }
+    }
 }
 
 /*
@@ -198,7 +217,7 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
         }
         longest = len > longest ? len : longest;
     }
-    const int64_t group = hq / hk, per_item = group * d + VLEN * d + group * longest;
+    const int64_t group = hq / hk, per_item = group * d + VLEN * d + group * d + group * longest;
     int failed = 0;
     #pragma omp parallel reduction(|| : failed)
     {
