@@ -32,8 +32,9 @@ Work:
 - ``prompt-attention``: ``kunlun_paged_prefill_attention`` over the shapes,
   heads and head size of ``prompt_attention.py``;
 - ``decode-attention``: ``kunlun_paged_decode_attention`` as one decode step
-  of the 0.5B model calls it (its heads, 24 layers each with a cache of its
-  own, blocks scattered), at ``DECODE_SHAPES`` (sequences, context).
+  calls it (24 layers each with a cache of its own, blocks scattered), at
+  ``DECODE_SHAPES``: the 0.5B model's heads (14 query heads over 2 KV heads),
+  and one sequence of a model with a single KV head, fewer items than threads.
 
 Example::
 
@@ -184,13 +185,14 @@ def attention_work(lib: ctypes.CDLL, dtype: torch.dtype, ctx: int, new: int):
     return once, out
 
 
-#: decode-attention cases: (sequences in the step, tokens of context each)
-DECODE_SHAPES = [(8, 256), (8, 1024), (1, 4096)]
+#: decode-attention cases: (sequences in the step, tokens of context each, (query heads, KV heads))
+DECODE_SHAPES = [(8, 256, prompt_attention.HEADS), (8, 1024, prompt_attention.HEADS),
+                 (1, 4096, prompt_attention.HEADS), (1, 4096, (8, 1))]
 
 
-def decode_attention_work(lib: ctypes.CDLL, dtype: torch.dtype, batch: int, ctx: int):
+def decode_attention_work(lib: ctypes.CDLL, dtype: torch.dtype, batch: int, ctx: int, heads: tuple[int, int]):
     """One decode step's attention over every layer's own paged cache (as cold as a step finds it)."""
-    (hq, hk), d, block_size = prompt_attention.HEADS, prompt_attention.HEAD_SIZE, prompt_attention.BLOCK_SIZE
+    (hq, hk), d, block_size = heads, prompt_attention.HEAD_SIZE, prompt_attention.BLOCK_SIZE
     layers = perf_cpu.SHAPES["0.5b"].layers
     per_seq = -(-ctx // block_size)
     g = torch.Generator().manual_seed(batch * 31 + ctx)
@@ -240,8 +242,9 @@ def main() -> None:
             cases = [(f"context {ctx}, new {new}", lambda lib, c=ctx, n=new: attention_work(lib, dtype, c, n))
                      for ctx, new in prompt_attention.SHAPES]
         else:
-            cases = [(f"{batch} x context {ctx}", lambda lib, b=batch, c=ctx: decode_attention_work(lib, dtype, b, c))
-                     for batch, ctx in DECODE_SHAPES]
+            cases = [(f"{batch} x {ctx}, heads {hq}/{hk}",
+                      lambda lib, b=batch, c=ctx, h=(hq, hk): decode_attention_work(lib, dtype, b, c, h))
+                     for batch, ctx, (hq, hk) in DECODE_SHAPES]
         results = []
         for label, make in cases:
             works = {name: make(lib) for name, lib in libs.items()}

@@ -562,3 +562,27 @@ def test_native_token_bitmask_forbids_exactly_what_the_reference_forbids(native_
     reference.apply_token_bitmask(want, bitmask, rows)
     assert torch.equal(mine, want)
     assert bool(mine[rows[4]].isinf().all()) and torch.equal(mine[rows[3]], logits[rows[3]])
+
+
+@pytest.mark.parametrize("seqs, hq, hk", [
+    ([(1500, 1)], 8, 1),  # one long context, one KV head: split among the threads
+    ([(700, 1)], 14, 2),  # two items, more threads: split in uneven parts
+    ([(2000, 1), (5, 1), (513, 1)], 4, 1),  # a context too short for every part beside long ones
+])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_native_decode_attention_splits_long_contexts_among_more_threads_than_items(seqs, hq, hk, dtype, tol,
+                                                                                  native_kernel_set):
+    """With fewer (sequence, KV head) items than threads a context is split among them and the parts merged; the
+    result is the reference's, in the cache's dtype, as with one thread."""
+    args = _batch(seqs, hq=hq, hk=hk, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(8)
+        split = cpu_kernels.paged_attention(*args)
+        torch.set_num_threads(1)
+        whole = cpu_kernels.paged_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert split.dtype == dtype
+    torch.testing.assert_close(split, reference.paged_attention(*args), rtol=tol, atol=tol)
+    torch.testing.assert_close(split.float(), whole.float(), rtol=tol, atol=tol)
