@@ -3,7 +3,8 @@
 Both hand out tensors viewed on uint8 blocks whose start is a multiple of
 ``alignment`` and whose size is a multiple of ``granularity``. ``caching``
 keeps freed blocks in free lists bucketed by size and hands them out again;
-``empty_cache`` gives them back. Requests larger than the memory the device
+``empty_cache`` gives them back. Blocks of 2 MiB or more (a KV cache's) are
+mapped in huge pages where the system grants them (:func:`host_buffer`). Requests larger than the memory the device
 reports free raise :class:`DeviceOutOfMemoryError` with the numbers, instead
 of leaving the process to the operating system's OOM killer.
 """

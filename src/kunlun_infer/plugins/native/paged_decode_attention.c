@@ -240,7 +240,8 @@ INLINE void merge_parts(const float *parts_data, int64_t parts, int64_t group, i
         for (int64_t f = 0; f < d; f += VLEN) {
             vf acc = vf_zero();
             for (int64_t i = 0; i < parts; i++)
-                if (weight[i] > 0.0f) acc = vf_fma(vf_set1(weight[i]), vf_loadu(parts_data + i * part_floats + g * d + f), acc);
+                if (weight[i] > 0.0f)
+                    acc = vf_fma(vf_set1(weight[i]), vf_loadu(parts_data + i * part_floats + g * d + f), acc);
             if (bf16)
                 vf_store_bf16((uint16_t *)out + at + g * d + f, acc);
             else
