@@ -44,6 +44,13 @@ INLINE vf load_vec(const void *base, int64_t index, const int bf16) {
     return bf16 ? vf_load_bf16((const uint16_t *)base + index) : vf_loadu((const float *)base + index);
 }
 
+/* every cache line of the K or V row that starts at element `row` of `cache`, asked for into the second level */
+INLINE void ask_row(const void *cache, int64_t row, int64_t d, const int bf16) {
+    const int64_t size = bf16 ? 2 : 4;
+    for (int64_t byte = 0; byte < d * size; byte += 64)
+        _mm_prefetch((const char *)cache + row * size + byte, _MM_HINT_T1);
+}
+
 /* The accumulators of one pass below, held in registers: the head and chunk counts are constants here. Tokens
  * [t0, t1) of `len`; the sums start from `sums` (float32, laid out as out) unless t0 is 0, and go to `sums` unless
  * t1 is len, where they are written to out. */
@@ -56,9 +63,7 @@ INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, cons
         UNROLL for (int c = 0; c < nchunks; c++)
             acc[g][c] = t0 == 0 ? vf_zero() : vf_loadu(sums + g * d + feature + VLEN * c);
     for (int64_t t = t0; t < t1; t++) {
-        if (ask && t + VALUES_AHEAD < len)  /* the first pass over the values asks for their rows */
-            for (int64_t byte = 0; byte < d * (bf16 ? 2 : 4); byte += 64)
-                _mm_prefetch((const char *)v_cache + rows[t + VALUES_AHEAD] * (bf16 ? 2 : 4) + byte, _MM_HINT_T1);
+        if (ask && t + VALUES_AHEAD < len) ask_row(v_cache, rows[t + VALUES_AHEAD], d, bf16);  /* the first pass */
         vf v[VALUE_CHUNKS];
         UNROLL for (int c = 0; c < nchunks; c++) v[c] = load_vec(v_cache, rows[t] + feature + VLEN * c, bf16);
         UNROLL for (int g = 0; g < heads; g++) {
@@ -90,7 +95,9 @@ INLINE void weighted_values(const void *v_cache, const int64_t *rows, const floa
                             const int nchunks, const int bf16, const int ask, const int obf16) {
     switch (heads) {
         VALUES_CASE(1) VALUES_CASE(2) VALUES_CASE(3) VALUES_CASE(4)
+#if MAX_GROUP > 4
         VALUES_CASE(5) VALUES_CASE(6) VALUES_CASE(7) VALUES_CASE(8)
+#endif
     }
 }
 
@@ -118,9 +125,7 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
         /* the keys' rows AHEAD tokens on, scattered over the cache's blocks, are asked for now: the hardware
          * prefetchers do not follow them, and a step's cache is in no cache level by the next step */
         for (int64_t t = t0 == 0 ? 0 : t0 + AHEAD; t < t0 + VLEN + AHEAD && t < len; t++)
-            for (int64_t byte = 0; byte < d * (bf16 ? 2 : 4); byte += 64) {
-                _mm_prefetch((const char *)k_cache + rows[t] * (bf16 ? 2 : 4) + byte, _MM_HINT_T1);
-            }
+            ask_row(k_cache, rows[t], d, bf16);
         /* the block's keys, past the context's end the last one again (those scores are not stored): a whole block
          * of sums in registers, where a loop to the block's length had kept them in memory (1.16-1.25x the time) */
         int64_t key[VLEN];
