@@ -27,8 +27,9 @@ Work:
 
 - ``gemm``: a whole Qwen2-shaped 0.5B model's layer GEMMs (every weight its
   own copy, packed by each build's own packing) at the given row counts, in
-  ``--dtype``; the outputs of each build are compared with the first's and
-  the largest difference printed (0 for builds bit for bit the same);
+  ``--dtype`` (``int8``: int8 weights on bf16 rows); the outputs of each
+  build are compared with the first's and the largest difference printed
+  (0 for builds bit for bit the same);
 - ``prompt-attention``: ``kunlun_paged_prefill_attention`` over the shapes,
   heads and head size of ``prompt_attention.py``;
 - ``decode-attention``: ``kunlun_paged_decode_attention`` as one decode step
@@ -59,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from kunlun_infer.ops import reference
 from kunlun_infer.plugins import cpu_native, cpu_tuning
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -143,26 +145,45 @@ def build_all(named: dict[str, str], work: Path, chunk_rows: str | dict[str, int
     return libs
 
 
-def gemm_work(lib: ctypes.CDLL, dtype: torch.dtype, rows: int) -> tuple[Callable[[], None], torch.Tensor]:
-    """One pass over a whole model's layer GEMMs at ``rows`` rows, and the output of the last one."""
-    shape = perf_cpu.SHAPES["0.5b"]
+# the GEMM (and packing) of each weight dtype
+KINDS = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "int8"}
+
+
+def gemm_inputs(shape: perf_cpu.Shape, dtype: torch.dtype, rows: int
+                ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """A model's layer weights (each its own) and the rows for each input width, in the rows' dtype (bf16 for
+    ``int8``: a bf16 model quantized at load, as ``model.quantization=int8`` runs it)."""
+    rows_dtype = torch.bfloat16 if dtype is torch.int8 else dtype
     layer = shape.layer_linears()
-    kind = "bf16" if dtype is torch.bfloat16 else "f32"
-    tile = lib.kunlun_gemm_tile_n()
     g = torch.Generator().manual_seed(0)
-    weights = []
-    for n, k in layer * shape.layers:
-        w = torch.randn(n, k, generator=g).to(dtype)
-        packed = torch.empty(-(-n // tile) * tile * k, dtype=dtype)
-        getattr(lib, f"kunlun_pack_{kind}")(w.data_ptr(), packed.data_ptr(), n, k)
-        weights.append((packed, n, k))
-    xs = {k: torch.randn(rows, k, generator=g).to(dtype) for _, k in layer}
-    y = torch.empty(rows, max(n for n, _ in layer), dtype=dtype)
-    gemm = getattr(lib, f"kunlun_gemm_{kind}")
+    weights = [torch.randn(n, k, generator=g).to(rows_dtype) for n, k in layer * shape.layers]
+    return weights, {k: torch.randn(rows, k, generator=g).to(rows_dtype) for _, k in layer}
+
+
+def gemm_work(lib: ctypes.CDLL, dtype: torch.dtype, rows: int, shape: perf_cpu.Shape = perf_cpu.SHAPES["0.5b"]
+              ) -> tuple[Callable[[], None], torch.Tensor]:
+    """One pass over a whole model's layer GEMMs at ``rows`` rows, and the output of the last one (``int8``:
+    int8 weights, one scale per output, quantized by the engine's rule)."""
+    weights, xs = gemm_inputs(shape, dtype, rows)
+    packed_weights = []
+    for w in weights:
+        n, k = w.shape
+        if dtype is torch.int8:
+            q, scale = reference.quantize_int8(w)
+            packed = torch.empty(lib.kunlun_int8_packed_bytes(n, k), dtype=torch.int8)
+            lib.kunlun_pack_int8(q.data_ptr(), scale.data_ptr(), packed.data_ptr(), n, k)
+        else:
+            tile = lib.kunlun_gemm_tile_n()
+            packed = torch.empty(-(-n // tile) * tile * k, dtype=dtype)
+            getattr(lib, f"kunlun_pack_{KINDS[dtype]}")(w.data_ptr(), packed.data_ptr(), n, k)
+        packed_weights.append((packed, n, k))
+    y = torch.empty(rows, max(w.shape[0] for w in weights), dtype=weights[0].dtype)
+    gemm = getattr(lib, f"kunlun_gemm_{KINDS[dtype]}")
+    extra = (1,) if dtype is torch.int8 else ()  # the int8 GEMM's rows are bf16
 
     def once() -> None:
-        for packed, n, k in weights:
-            if gemm(packed.data_ptr(), xs[k].data_ptr(), None, y.data_ptr(), rows, n, k) != 0:
+        for packed, n, k in packed_weights:
+            if gemm(packed.data_ptr(), xs[k].data_ptr(), None, y.data_ptr(), rows, n, k, *extra) != 0:
                 raise MemoryError("GEMM row buffer")
 
     return once, y
@@ -219,7 +240,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("builds", nargs="+", help="NAME=SOURCE (see above); the first is the baseline")
     parser.add_argument("--work", choices=("gemm", "prompt-attention", "decode-attention"), default="gemm")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "int8"),
+                        help="weights (int8: gemm only, on bf16 rows)")
     parser.add_argument("--rows", default="1,8,32,256", help="gemm: row counts")
     parser.add_argument("--turns", type=int, default=9, help="calls of each build per case, in turns (medians)")
     parser.add_argument("--chunk-rows", type=chunk_rows_option, default="first",
@@ -231,6 +253,8 @@ def main() -> None:
     if len(named) != len(args.builds):
         raise SystemExit("each build is NAME=SOURCE, with names all different")
     dtype = getattr(torch, args.dtype)
+    if dtype is torch.int8 and args.work != "gemm":
+        raise SystemExit("--dtype int8 is for --work gemm (attention reads bf16 or float32 caches)")
     facts = machine.facts()
     print(machine.describe(facts))
     with tempfile.TemporaryDirectory(prefix="kunlun_builds-") as tmp:

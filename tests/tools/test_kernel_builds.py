@@ -41,10 +41,16 @@ def test_sources_come_from_a_revision_or_replace_named_files(kernel_builds, tmp_
         kernel_builds.sources("no-such-revision", tmp_path / "none")
 
 
-def test_a_build_of_the_working_tree_multiplies_as_the_loaded_kernels_do(kernel_builds, tmp_path):
+@pytest.fixture(scope="module")
+def tree_build(kernel_builds, tmp_path_factory):
+    """The working tree's sources built by the script, as a comparison builds them."""
     if cpu_native.library() is None:
         pytest.skip(f"no native kernels here: {cpu_native.selection().reason}")
-    lib = kernel_builds.build("tree", ".", tmp_path)
+    return kernel_builds.build("tree", ".", tmp_path_factory.mktemp("builds"))
+
+
+def test_a_build_of_the_working_tree_multiplies_as_the_loaded_kernels_do(tree_build):
+    lib = tree_build
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(40, 24, generator=g), torch.randn(3, 24, generator=g)
     packed = cpu_gemm.pack(weight)
@@ -97,3 +103,26 @@ def test_builds_compare_on_the_chunk_rows_the_first_measured_unless_told(kernel_
     for bad in ("64", "a,b", "1,2,3"):
         with pytest.raises(argparse.ArgumentTypeError, match="two row counts"):
             kernel_builds.chunk_rows_option(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_gemm_work_multiplies_each_weight_dtype_as_the_engine_defines_it(kernel_builds, tree_build, dtype):
+    """The GEMMs a comparison times are the engine's: each weight kind packed and called as the engine does (int8
+    on bf16 rows), the last output what the reference computes."""
+    from dataclasses import replace
+
+    from kunlun_infer.ops import reference
+
+    lib = tree_build
+    shape = replace(kernel_builds.perf_cpu.SHAPES["small"], layers=1)
+    once, y = kernel_builds.gemm_work(lib, dtype, 3, shape)
+    once()
+    weights, xs = kernel_builds.gemm_inputs(shape, dtype, 3)
+    last = weights[-1]
+    x, n = xs[last.shape[1]], last.shape[0]
+    out = y.flatten()[:3 * n].view(3, n).float()  # the last GEMM's rows, n apart
+    if dtype is torch.int8:
+        torch.testing.assert_close(out, reference.int8_linear(x, reference.quantize_int8(last)).float())
+    else:
+        tol = 2e-2 if dtype is torch.bfloat16 else 1e-4
+        torch.testing.assert_close(out, x.float() @ last.float().T, rtol=tol, atol=tol)

@@ -47,7 +47,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     const int32_t *x_pairs = (const int32_t *)x;
     const int64_t pairs = k / 2;
     for (int64_t q = 0; q < pairs; q++) {
-        prefetch_span(p + q * 2 * TILE_N, 4 * TILE_N, once);
+        prefetch_span(p + q * 2 * TILE_N, 4 * TILE_N, PREFETCH_NTA(once, rows));
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + q * 2 * TILE_N);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(p + q * 2 * TILE_N + 32);
         for (int r = 0; r < rows; r++) {

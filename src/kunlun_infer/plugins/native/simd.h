@@ -202,25 +202,36 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
  * row with every line asked for (half of them: no better than none), AVX-512 bf16 14% faster at 8 rows. */
 #define PREFETCH_BYTES 8192
 
-/* Every cache line of the `bytes` bytes at p + PREFETCH_BYTES; a span under one line asks for the line only
- * when p starts one (so a stream advancing by less than a line asks once per line). `once`: the GEMM reads
- * these bytes once (a decode step's rows all in one block), so they are asked for non-temporally and do not
- * push out of the caches what the rest of the step reads again (norm weights, the KV cache, the interpreter's
- * own data): a bf16 batch-1 decode step 6% faster with AVX-512 and 11% with AVX2, int8 5%, an AVX-512 bf16
- * batch-8 step 13% (float32 unchanged). A weight that several blocks of rows read in turn is asked for into
- * every cache level. */
-INLINE void prefetch_span(const void *p, const int64_t bytes, const int once) {
+/* Whether a block of `rows` rows that reads its weight `once` (a decode step's rows all in one block) asks for
+ * it non-temporally (NTA) rather than into the second-level cache (T1): only one row with AVX-512. A prefetch
+ * into the first level holds one of its few miss buffers until the line arrives from memory, and those run out
+ * before the bandwidth does wherever a line costs more than a few instructions, while the second level keeps
+ * many more requests in flight (the decode attention's prefetch found the same). A stream asked for
+ * non-temporally does not push out of the caches what the rest of the step reads again (norm weights, the KV
+ * cache, the interpreter's own data), which pays where the miss buffers keep up: a single row with AVX-512, a
+ * VDPBF16PS or VPDPBUSD per 64 bytes. Zen 4, in turns against first-level prefetches (NTA for one block, T0
+ * for several), the 0.5B model's layer GEMMs: AVX2 bf16 0.77-0.89x the time at 1 row, 0.81-0.85x at 4,
+ * 0.89x at 8; int8 0.67-0.89x at 1 row (AVX2) and 0.70x at 8 (AVX-512); AVX-512 bf16 0.89-0.92x at 8 rows.
+ * Decode steps in the engine, separate processes in turns: AVX2 bf16 batch 1 0.72-0.84x; AVX-512 at batch 8
+ * bf16 0.72-0.88x, int8 0.75-0.83x; AVX-512 bf16 batch 1 1.08x (median of 5) with T1, its GEMMs alone no
+ * faster, hence NTA there. */
+#define PREFETCH_NTA(once, rows) (VLEN == 16 && (once) && (rows) == 1)
+
+/* Every cache line of the `bytes` bytes at p + PREFETCH_BYTES, non-temporally if `nta` (see PREFETCH_NTA);
+ * a span under one line asks for the line only when p starts one (so a stream advancing by less than a line
+ * asks once per line). */
+INLINE void prefetch_span(const void *p, const int64_t bytes, const int nta) {
     const char *ahead = (const char *)p + PREFETCH_BYTES;
     if (bytes >= 64) {
-        if (once)
+        if (nta)
             for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_NTA);
         else
-            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
     } else if (((uintptr_t)p & 63) == 0) {
-        if (once)
+        if (nta)
             _mm_prefetch(ahead, _MM_HINT_NTA);
         else
-            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead, _MM_HINT_T1);
     }
 }
 
