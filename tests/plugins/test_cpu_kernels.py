@@ -100,11 +100,12 @@ def test_native_prompt_attention_refuses_what_it_cannot_read(native_kernel_set):
             cpu_attention.native_prompt_attention(q, k_cache, v_cache, table, seq_lens, [0, 9], counts, out, scale)
 
 
-@pytest.mark.parametrize("d, block_size", [(32, 16), (64, 5), (48, 16), (16, 4), (8, 4)])  # head size 8: no native kernel
-def test_decode_attention_over_long_contexts_and_head_sizes(d, block_size, kernel_set):
-    args = _batch([(1, 1), (15, 1), (16, 1), (17, 1), (300, 1)], hq=14, hk=2, d=d, block_size=block_size)
+@pytest.mark.parametrize("d, block_size", [(32, 16), (64, 5), (128, 16), (48, 16), (16, 4), (8, 4)])  # head size 8: no native kernel
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_over_long_contexts_and_head_sizes(d, block_size, dtype, tol, kernel_set):
+    args = _batch([(1, 1), (15, 1), (16, 1), (17, 1), (300, 1)], hq=14, hk=2, d=d, block_size=block_size, dtype=dtype)
     torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
-                               rtol=1e-4, atol=1e-5)
+                               rtol=max(tol, 1e-4), atol=tol)
 
 
 def test_paged_attention_low_precision_keeps_its_dtype_and_accuracy(kernel_set):
