@@ -317,16 +317,11 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
                         for (int64_t g = 0; g < group; g++) part[group * d + group + g] = 0.0f;
                         continue;
                     }
-#if VLEN == 8
-                    if (bf16 && (d == 64 || d == 128)) {  /* see ONE_HEAD_OF_SIZE */
-                        if (d == 64)
-                            ONE_HEAD_OF_SIZE(64, 1);
-                        else
-                            ONE_HEAD_OF_SIZE(128, 1);
-                        continue;
-                    }
-#endif
-                    if (bf16)
+                    if (VLEN == 8 && bf16 && d == 64)  /* see ONE_HEAD_OF_SIZE */
+                        ONE_HEAD_OF_SIZE(64, 1);
+                    else if (VLEN == 8 && bf16 && d == 128)
+                        ONE_HEAD_OF_SIZE(128, 1);
+                    else if (bf16)
                         ONE_HEAD_OF_SIZE(d, 1);
                     else
                         ONE_HEAD_OF_SIZE(d, 0);
