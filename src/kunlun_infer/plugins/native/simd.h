@@ -38,6 +38,14 @@ INLINE vf vf_load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* 2 * VLEN bf16 values as two float32 vectors, in order (the AVX2 build's pair is what saves instructions) */
+INLINE void vf_load_bf16_pair(const uint16_t *p, vf *lo, vf *hi) {
+    *lo = vf_load_bf16(p);
+    *hi = vf_load_bf16(p + VLEN);
+}
+
+INLINE void vf_unpair(vf *lo, vf *hi) { (void)lo, (void)hi; }
+
 /* float32 -> bf16 bits, round to nearest even (NaN stays NaN), in the low 16 bits of each 32-bit lane */
 INLINE __m512i bf16_bits(vf v) {
     const __m512i x = _mm512_castps_si512(v);
@@ -138,6 +146,22 @@ INLINE __m256i bf16_bits(vf v) {
     const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
     const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
     return _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+/* 16 bf16 values as two float32 vectors in the order one unpack each gives them: lo holds values 0-3 and 8-11, hi
+ * 4-7 and 12-15 (vf_unpair puts them back in order). One instruction a vector, where widening in order takes two
+ * (a zero extension and a shift); for work whose sums do not care which lane a value is in, or that unpairs once. */
+INLINE void vf_load_bf16_pair(const uint16_t *p, vf *lo, vf *hi) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)p), zero = _mm256_setzero_si256();
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
+}
+
+/* a pair in vf_load_bf16_pair's order back in the values' own: 0-7 into lo, 8-15 into hi */
+INLINE void vf_unpair(vf *lo, vf *hi) {
+    const vf a = *lo, b = *hi;
+    *lo = _mm256_permute2f128_ps(a, b, 0x20);
+    *hi = _mm256_permute2f128_ps(a, b, 0x31);
 }
 
 /* 8 lanes of bf16 bits (low halves) as 8 packed 16-bit values */
