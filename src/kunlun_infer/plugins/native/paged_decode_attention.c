@@ -44,7 +44,7 @@
  * them: the query and the keys alike, so that their dot products sum the same products, and the values' weighted
  * sums are put back in order as they are written out. Zen 4 capped to AVX2: one thread over a cache-resident context
  * of 1024 tokens (14 / 2 heads of 64), 102 -> 91 cycles per (key, KV head), best of five runs each; the 0.5B model's
- * step in turns 0.90-0.95x the time at 8 x 1024 and 0.91x-1.08x at 1 x 4096 (two runs), 0.95-1.02x at 8 x 256. */
+ * step in turns (three runs) 0.90-0.94x the time at 8 x 1024, 0.86-1.08x at 1 x 4096, 0.92-1.02x at 8 x 256. */
 #define PAIRED (VLEN == 8)
 
 INLINE vf load_vec(const void *base, int64_t index, const int bf16) {
