@@ -201,8 +201,6 @@ def make_requests(num: int, vocab: int, seed: int, prompt_range=(32, 256), outpu
 
 def measure_machine() -> dict[str, float]:
     """fp32 FMA peak (the native probe at the kernel set's vector width), torch's fp32 matmul, read bandwidth."""
-    from kunlun_infer.plugins import cpu_native
-
     out: dict[str, float] = {}
     if (peak := fma_peak()) is not None:
         out["fma_peak_flops"] = peak
