@@ -129,9 +129,11 @@ INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w
  * One block of Y (the first `rows` <= MR rows, NR columns) from packed rows `a` [K][MR] and weight tile `w`
  * [K][NR]. With few rows the FMA latency, not their throughput, would bound the loop: `phases` independent
  * sets of accumulators take turns over K so that 8 or more FMAs are in flight, and are summed at the end.
- * The weight stream is prefetched (simd.h) except float32 weights with AVX2 at one or two rows, whose few
- * instructions a line the hardware prefetchers alone keep fed: Zen 4, in turns, the layer GEMMs with the
- * second-level prefetch 1.07-1.12x the time at 1 row, 1.03x at 2, 0.92x at 4, 0.82x at 6, 0.71-0.91x at 8.
+ * The weight stream is prefetched (simd.h) except float32 weights at one or two rows, whose few instructions a
+ * line the hardware prefetchers alone keep fed: Zen 4, in turns, the layer GEMMs with the second-level prefetch,
+ * AVX2: 1.07-1.12x the time at 1 row, 1.03x at 2, 0.92x at 4, 0.82x at 6, 0.71-0.91x at 8; AVX-512 without any
+ * (against non-temporal at 1 row, second-level at 2): 0.89-0.98x at 1 row, 0.87-0.96x at 2, and a float32 decode
+ * step in the engine 0.94x (three processes each, in turns; its head's GEMV 0.89x).
  * Each pass of the loop takes at least one cache line of weight (with AVX2 a bf16 block of 4-6 rows takes two
  * reductions a pass), so that it asks for whole lines without testing where one starts; and `once` is a
  * constant in every call (see gemm), where the compiler had kept its test inside the loop. Zen 3, in turns, a
@@ -148,7 +150,7 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
     const int64_t step = NR * (wkind == WEIGHT_BF16 ? 2 : 4);  /* bytes of weight per reduction index */
     const int turn = step * phases < 64 ? 64 / step : phases;  /* reductions per pass: whole turns, a line or more */
     for (; q + turn <= k; q += turn) {
-        if (wkind == WEIGHT_BF16 || VLEN == 16 || rows > 2)
+        if (wkind == WEIGHT_BF16 || rows > 2)
             prefetch_span((const char *)w + q * step, turn * step, PREFETCH_NTA(once, rows));
         UNROLL for (int i = 0; i < turn; i++) {
             const int p = i % phases;
