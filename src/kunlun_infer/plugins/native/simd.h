@@ -238,7 +238,9 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
  * 0.89x at 8; int8 0.67-0.89x at 1 row (AVX2) and 0.70x at 8 (AVX-512); AVX-512 bf16 0.89-0.92x at 8 rows.
  * Decode steps in the engine, separate processes in turns: AVX2 bf16 batch 1 0.72-0.84x; AVX-512 at batch 8
  * bf16 0.72-0.88x, int8 0.75-0.83x; AVX-512 bf16 batch 1 1.08x (median of 5) with T1, its GEMMs alone no
- * faster, hence NTA there. */
+ * faster, hence NTA there. Since, a single row of bf16 or float32 weights asks for nothing at all (gemm_bf16.c,
+ * gemm.c); int8 keeps NTA, no prefetch measuring within the noise of it (batch-1 steps, eight processes each in
+ * turns: medians 20.7 and 19.7 ms, each faster in four pairs). */
 #define PREFETCH_NTA(once, rows) (VLEN == 16 && (once) && (rows) == 1)
 
 /* Every cache line of the `bytes` bytes at p + PREFETCH_BYTES, non-temporally if `nta` (see PREFETCH_NTA);
