@@ -133,16 +133,16 @@ INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w
  * line the hardware prefetchers alone keep fed: Zen 4, in turns, the layer GEMMs with the second-level prefetch,
  * AVX2: 1.07-1.12x the time at 1 row, 1.03x at 2, 0.92x at 4, 0.82x at 6, 0.71-0.91x at 8; AVX-512 without any
  * (against non-temporal at 1 row, second-level at 2): 0.89-0.98x at 1 row, 0.87-0.96x at 2, and a float32 decode
- * step in the engine 0.94x (three processes each, in turns; its head's GEMV 0.89x).
+ * step in the engine 0.94x (three processes each, in turns; its head's GEMV 0.89x). What is asked for goes into
+ * the second-level cache: the one block that would ask non-temporally (PREFETCH_NTA: one row with AVX-512) is
+ * float32 here, which asks for nothing, and bf16 with AVX-512 is gemm_bf16.c's.
  * Each pass of the loop takes at least one cache line of weight (with AVX2 a bf16 block of 4-6 rows takes two
- * reductions a pass), so that it asks for whole lines without testing where one starts; and `once` is a
- * constant in every call (see gemm), where the compiler had kept its test inside the loop. Zen 3, in turns, a
+ * reductions a pass), so that it asks for whole lines without testing where one starts. Zen 3, in turns, a
  * whole 0.5B model's bf16 GEMMs in huge pages, medians of 10-12 turns: 1 row 62.5 -> 60.1 ms, 4 rows 77.3 ->
  * 76.6, 8 rows 135.5 -> 126.9.
  */
 INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t k, const float *bias,
-                         void *y, int64_t ldy, int64_t cols, const int ybf16, const int rows, const int phases,
-                         const int once) {
+                         void *y, int64_t ldy, int64_t cols, const int ybf16, const int rows, const int phases) {
     vf acc0[4][MR], acc1[4][MR];
     UNROLL for (int p = 0; p < phases; p++)
         UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vf_zero();
@@ -151,7 +151,7 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
     const int turn = step * phases < 64 ? 64 / step : phases;  /* reductions per pass: whole turns, a line or more */
     for (; q + turn <= k; q += turn) {
         if (wkind == WEIGHT_BF16 || rows > 2)
-            prefetch_span((const char *)w + q * step, turn * step, PREFETCH_NTA(once, rows));
+            prefetch_span((const char *)w + q * step, turn * step, 0);
         UNROLL for (int i = 0; i < turn; i++) {
             const int p = i % phases;
             vf w0, w1;
@@ -189,10 +189,10 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
 /* accumulator sets for a block of R rows: at least 8 independent FMAs per reduction step, 12 for two rows
  * (measured at two rows: float32 12% faster than with 8, bf16 4%; an 8-row step's last two rows alike) */
 #define PHASES(R) ((R) == 1 ? 4 : (R) == 2 ? 3 : (R) <= 3 ? 2 : 1)
-#define ROWS_CASE(R) case R: micro_kernel(a, w, wkind, k, b, yt, n, cols, ybf16, R, PHASES(R), once); break;
+#define ROWS_CASE(R) case R: micro_kernel(a, w, wkind, k, b, yt, n, cols, ybf16, R, PHASES(R)); break;
 
 INLINE void block_of_rows(const float *a, const void *w, const int wkind, int64_t k, const float *b, void *yt,
-                          int64_t n, int64_t cols, const int ybf16, int64_t rows, const int once) {
+                          int64_t n, int64_t cols, const int ybf16, int64_t rows) {
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
 #if MR > 6
@@ -335,10 +335,7 @@ INLINE void gemm_share(const void *p, const int wkind, const void *x, const int 
                 const int64_t r0 = blk * per_block, rows = mc - r0 < per_block ? mc - r0 : per_block;
                 const float *a = packed + blk * k * MR;
                 void *yt = (char *)y + ((m0 + r0) * n + col) * (xbf16 ? 2 : 4);
-                if (m <= MR)  /* one block: the weight read once (prefetch_span), a constant in each call */
-                    block_of_rows(a, w, wkind, k, b, yt, n, cols, xbf16, rows, 1);
-                else
-                    block_of_rows(a, w, wkind, k, b, yt, n, cols, xbf16, rows, 0);
+                block_of_rows(a, w, wkind, k, b, yt, n, cols, xbf16, rows);
             }
         }
     }
