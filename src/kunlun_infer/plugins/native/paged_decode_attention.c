@@ -51,6 +51,21 @@ INLINE vf load_vec(const void *base, int64_t index, const int bf16) {
     return bf16 ? vf_load_bf16((const uint16_t *)base + index) : vf_loadu((const float *)base + index);
 }
 
+/* The d values (bf16 or float32) at element `at` of `src` as float32 at dst: bf16 ones with AVX2 in
+ * vf_load_bf16_pair's order (see PAIRED; d is a multiple of 16), so a query and a key widened here multiply alike. */
+INLINE void widen_row(const void *src, int64_t at, int64_t d, float *dst, const int bf16) {
+    if (PAIRED && bf16) {
+        for (int64_t c = 0; c < d; c += 2 * VLEN) {
+            vf lo, hi;
+            vf_load_bf16_pair((const uint16_t *)src + at + c, &lo, &hi);
+            vf_storeu(dst + c, lo);
+            vf_storeu(dst + c + VLEN, hi);
+        }
+    } else {
+        for (int64_t c = 0; c < d; c += VLEN) vf_storeu(dst + c, load_vec(src, at + c, bf16));
+    }
+}
+
 /* every cache line of the K or V row that starts at element `row` of `cache`, asked for into the second level */
 INLINE void ask_row(const void *cache, int64_t row, int64_t d, const int bf16) {
     const int64_t size = bf16 ? 2 : 4;
@@ -128,19 +143,7 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
         const int64_t first = ((int64_t)table[i] * block_size * hk + h) * d;
         for (int64_t j = j0; j < block_size && t < hi; j++, t++) rows[t - lo] = first + j * hk * d;
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < chunks; c += PAIRED && bf16 ? 2 : 1) {
-            const int64_t at = (b * hq + h * group + g) * d + VLEN * c;
-            float *dst = qf + g * d + VLEN * c;
-            if (PAIRED && bf16) {  /* in the keys' order */
-                vf lo, hi;
-                vf_load_bf16_pair((const uint16_t *)q + at, &lo, &hi);
-                vf_storeu(dst, lo);
-                vf_storeu(dst + VLEN, hi);
-            } else {
-                vf_storeu(dst, load_vec(q, at, bf16));
-            }
-        }
+    for (int64_t g = 0; g < group; g++) widen_row(q, (b * hq + h * group + g) * d, d, qf + g * d, bf16);
     /* scores: q . k for every cached key, VLEN keys at a time per query head (one transposing sum for VLEN dots) */
     for (int64_t t0 = 0; t0 < len; t0 += VLEN) {
         const int64_t tn = len - t0 < VLEN ? len - t0 : VLEN;
@@ -173,16 +176,7 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
         const float *kr[VLEN];
         if (bf16) {
             UNROLL for (int i = 0; i < VLEN; i++) {
-                if (PAIRED)  /* d is a multiple of 16 */
-                    for (int64_t c = 0; c < chunks; c += 2) {
-                        vf lo, hi;
-                        vf_load_bf16_pair((const uint16_t *)k_cache + key[i] + VLEN * c, &lo, &hi);
-                        vf_storeu(kf + i * d + VLEN * c, lo);
-                        vf_storeu(kf + i * d + VLEN * c + VLEN, hi);
-                    }
-                else
-                    for (int64_t c = 0; c < chunks; c++)
-                        vf_storeu(kf + i * d + VLEN * c, vf_load_bf16((const uint16_t *)k_cache + key[i] + VLEN * c));
+                widen_row(k_cache, key[i], d, kf + i * d, 1);
                 kr[i] = kf + i * d;
             }
         } else {
