@@ -603,7 +603,7 @@ def derive(result: dict[str, Any], shape: Shape, args: argparse.Namespace) -> No
             entry[f"req{num}_of_fp32_bound"] = entry[f"req{num}"]["tokens_per_s"] / result[f"req{num}_fp32_bound_tok_s"]
             if probes := entry[f"req{num}"].get("fma_peak_flops_probes"):  # each repeat against the peak beside it
                 entry[f"req{num}_of_fp32_bound_beside"] = max(
-                    tok_s * requests.flops(shape) / (requests.useful_tokens * probe)
+                    tok_s / (result[f"req{num}_fp32_bound_tok_s"] * probe / peak)
                     for tok_s, probe in zip(entry[f"req{num}"]["tokens_per_s_repeats"], probes))
             entry[f"req{num}_roofline_tok_s"] = requests.useful_tokens / requests.roofline_seconds(
                 shape, peak, entry["decode_bytes"], machine["read_bytes_per_s"])
