@@ -65,6 +65,10 @@ class OpsConfig:
     #: decode steps of up to this many sequences run once per batch size under the ops plugin's capture and are
     #: replayed after that (hook API 1.5; the ``cpu`` option captures, ``torch`` does not); 0 = every step eager
     step_graphs: int = ranged(64, ">= 0", _at_least(0))
+    #: the batch sizes captured (each ``<= step_graphs``); a decode step of another size runs padded to the next
+    #: one, its padding sequences storing nothing (slot -1). ``None``: every size up to ``step_graphs``, as met
+    step_graph_sizes: Optional[List[int]] = ranged(None, "null or a list of sizes >= 1",
+                                                   lambda v: v is None or all(int(n) >= 1 for n in v))
 
 
 @dataclasses.dataclass

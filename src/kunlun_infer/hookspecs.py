@@ -145,6 +145,16 @@ Changes
     rank, once per batch size (``ops.step_graphs``). Both default to "no"
     (``None`` / ``False``), so a 1.4 plugin loads and runs unchanged, every
     step eager.
+    1.6 — padded captured steps. With ``ops.step_graph_sizes`` set (the
+    ``cuda`` option sets it; the default is unset), the engine captures
+    only those batch sizes and runs a decode step of another size in the
+    capture of the next larger one: the step it gives ``update_metadata``
+    then ends with padding sequences (one new token, nothing cached, block
+    table ``[0]``, slot ``-1``; :meth:`AttentionStep.padded_to`), whose keys
+    and values a backend must not store (a negative slot stores nothing,
+    as the reference ``store_kv`` always did) and whose outputs are
+    dropped. Nothing changes while the option is unset, so a 1.5 plugin
+    loads and runs unchanged.
 """
 
 from __future__ import annotations
@@ -162,7 +172,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 #: pluggy project name and entry-point group
 PROJECT_NAME = "kunlun_infer"
 #: version of this contract, ``(major, minor)``
-HOOK_API_VERSION: tuple[int, int] = (1, 5)
+HOOK_API_VERSION: tuple[int, int] = (1, 6)
 HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

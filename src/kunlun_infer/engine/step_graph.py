@@ -12,6 +12,13 @@ inputs into those buffers (the metadata through
 The token embedding runs before each replay (:meth:`CausalLM.embed`), the LM
 head and the sampler after it, as in any step.
 
+With ``ops.step_graph_sizes`` only those batch sizes are captured: a step of
+another size runs in the capture of the next larger one, padded with
+sequences that store nothing (:meth:`AttentionStep.padded_to`; token id 0 at
+position 0), and the padding rows of the result are dropped. A GPU wants
+this (a capture per size would cost hundreds of captures); the host CPU,
+whose padding rows cost GEMM rows, captures every size as it is met.
+
 Everything else runs eagerly, as before: steps with prompt tokens, drafts or
 a pipeline stage's input, batches larger than ``ops.step_graphs``, a batch
 size whose capture the plugin refused (``None``), a backend that cannot
@@ -52,8 +59,10 @@ class StepGraphs:
     """
 
     def __init__(self, capture: Callable[[Callable[[], Any]], Any], model: Any, attention: Any, *,
-                 max_batch: int, max_blocks: int) -> None:
+                 max_batch: int, max_blocks: int, sizes: list[int] | None = None) -> None:
         self._capture = capture
+        #: the batch sizes captured, ascending (``None``: every size up to ``max_batch``)
+        self.sizes = None if sizes is None else sorted({int(n) for n in sizes if 1 <= int(n) <= max_batch})
         self.model = model
         self.attention = attention
         self.max_batch = max_batch
@@ -84,11 +93,19 @@ class StepGraphs:
         """The final hidden states of a decode step from a replay (or the capture that serves its batch size),
         or ``None`` when the caller must run it eagerly."""
         batch = step.num_seqs
-        if not step.is_decode_only or batch > self.max_batch or batch in self.refused or not kv_caches:
+        if not step.is_decode_only or not kv_caches:
             return None
-        graph = self._graphs.get(batch)
+        size = self.size_for(batch)
+        if size is None or size in self.refused:
+            return None
+        if size != batch:
+            step = step.padded_to(size)
+            input_ids = torch.cat((input_ids, input_ids.new_zeros(size - batch)))
+            positions = torch.cat((positions, positions.new_zeros(size - batch)))
+        graph = self._graphs.get(size)
         if graph is None:
-            return self._first(input_ids, positions, step, kv_caches)
+            hidden = self._first(input_ids, positions, step, kv_caches)
+            return None if hidden is None else hidden[:batch]
         if not self.attention.update_metadata(graph.metadata, step):
             return None
         graph.hidden.copy_(self.model.embed(input_ids))
@@ -96,10 +113,16 @@ class StepGraphs:
         try:
             graph.captured.replay()
         except Exception as exc:  # noqa: BLE001 - the eager step raises the kernel's own error
-            log.debug("replay of a %d-sequence step failed (%s); running it eagerly", batch, exc)
+            log.debug("replay of a %d-sequence step failed (%s); running it eagerly", size, exc)
             return None
         self.replays += 1
-        return graph.captured.result
+        return graph.captured.result[:batch]
+
+    def size_for(self, batch: int) -> int | None:
+        """The captured batch size that serves ``batch`` sequences (``None``: the step runs eagerly)."""
+        if self.sizes is None:
+            return batch if batch <= self.max_batch else None
+        return next((n for n in self.sizes if n >= batch), None)
 
     def _refuse(self, batch: int, reason: str) -> None:
         self.refused[batch] = reason
@@ -132,5 +155,6 @@ def step_graphs(runtime: Any, model: Any, *, max_model_len: int, block_size: int
     max_batch = int(setting(runtime.config, "ops.step_graphs"))
     if max_batch <= 0:
         return None
+    sizes = setting(runtime.config, "ops.step_graph_sizes")
     return StepGraphs(runtime.capture_step, model, model.attention, max_batch=max_batch,
-                      max_blocks=-(-max_model_len // block_size))
+                      max_blocks=-(-max_model_len // block_size), sizes=None if sizes is None else list(sizes))

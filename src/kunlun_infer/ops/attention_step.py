@@ -126,6 +126,17 @@ class AttentionStep:
             count += 1
         return count
 
+    def padded_to(self, num_seqs: int) -> AttentionStep:
+        """This decode step with padding sequences appended up to ``num_seqs``: one new token each, nothing
+        cached, block table ``[0]`` and slot ``-1`` (a backend stores nothing for a negative slot; what the
+        padding rows attend to is discarded). Used for captured steps of ``ops.step_graph_sizes``."""
+        extra = num_seqs - self.num_seqs
+        if extra < 0 or not self.is_decode_only:
+            raise ValueError(f"AttentionStep.padded_to({num_seqs}): a decode step of {self.num_seqs} sequences "
+                             f"can only grow")
+        return AttentionStep(self.block_size, self.query_lens + [1] * extra, self.context_lens + [0] * extra,
+                             self.block_tables + [[0]] * extra, self.slot_mapping + [-1] * extra, self.device)
+
     # ------------------------------------------------------------------ tensors
 
     def padded_block_tables(self, width: int | None = None, pad: int = 0) -> list[list[int]]:
