@@ -1,10 +1,11 @@
-"""On a real GPU: the composed runtime allocates, orders streams, runs every op against the reference,
-and joins an NCCL group. Skipped on hosts without a CUDA device."""
+"""On a real GPU: the composed runtime allocates, orders streams and joins an NCCL group; the engine gives
+transformers' tokens with every lever of the plugin on (Triton attention and norms, CUDA graphs) and off, and
+captures again after its KV cache is reallocated. Every op against its reference: test_cuda_conformance.py.
+Skipped on hosts without a CUDA device."""
 
 import pytest
 import torch
 
-from kunlun_infer.ops import OP_SPECS, TOLERANCES
 from kunlun_infer.runtime import PluginManager, Runtime, compose_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -40,23 +41,6 @@ def test_streams_order_work_with_events(runtime):
     assert out[0].item() == 50.0 * (1 << 20)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("op", sorted(OP_SPECS))
-def test_ops_match_the_reference_on_the_gpu(runtime, op, dtype):
-    spec = OP_SPECS[op]
-    kernel = runtime.ops.get(op)
-    args, kwargs = spec.sample(dtype, runtime.device.torch_device, torch.Generator().manual_seed(0))
-    ref_args, _ = spec.sample(dtype, torch.device("cpu"), torch.Generator().manual_seed(0))
-    if op == "linear":
-        args = (args[0], runtime.ops.get("pack_linear_weight")(args[1]), *args[2:])
-    got, want = kernel(*args, **kwargs), spec.reference(*ref_args, **kwargs)
-    if spec.in_place_arg is not None:
-        got, want = args[spec.in_place_arg], ref_args[spec.in_place_arg]
-    rtol, atol = TOLERANCES[dtype]
-    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
-        torch.testing.assert_close(g.cpu(), w, rtol=rtol, atol=atol)
-
-
 def test_nccl_group_of_one(runtime, tmp_path):
     runtime.init_comm(rank=0, world_size=1, init_method=f"file://{tmp_path / 'rdzv'}")
     x = torch.tensor([1.5, 2.5], dtype=torch.bfloat16, device=runtime.device.torch_device)
@@ -81,8 +65,14 @@ def tiny_llama(tmp_path_factory):
     return folder, model
 
 
-def test_engine_on_the_gpu_matches_transformers_token_for_token(tiny_llama):
+#: the plugin's levers: everything on (the default), and the torch kernels run eagerly
+LEVERS = {"default": [], "torch-eager": ["ops.attention=sdpa", "ops.fused_kernels=off", "ops.step_graphs=0"]}
+
+
+@pytest.mark.parametrize("levers", sorted(LEVERS))
+def test_engine_on_the_gpu_matches_transformers_token_for_token(tiny_llama, levers):
     from kunlun_infer import LLM, SamplingParams
+    from kunlun_infer.runtime.guard import unwrap
 
     folder, model = tiny_llama
     g = torch.Generator().manual_seed(1)
@@ -93,7 +83,37 @@ def test_engine_on_the_gpu_matches_transformers_token_for_token(tiny_llama):
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                  max_new_tokens=8, do_sample=False, pad_token_id=299)
             references.append(out[0, len(p):].tolist())
-    overrides = [*CUDA_RUN[:-1], "model.max_model_len=256", "cache.block_size=16", "scheduler.max_num_seqs=8"]
+    overrides = [*CUDA_RUN[:-1], "model.max_model_len=256", "cache.block_size=16", "scheduler.max_num_seqs=8",
+                 *LEVERS[levers]]
     with LLM(model=str(folder), overrides=overrides) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        described = unwrap(llm.engine.runtime.ops).describe()
+        graphs = llm.engine.runner.graphs
+        replays = 0 if graphs is None else graphs.replays
     assert [o.token_ids for o in outs] == references
+    if levers == "default":  # Triton attention and norms, decode steps replayed from CUDA graphs
+        assert described == {"attention": "triton-paged", "norms_swiglu": "triton-fused"}
+        assert replays > 0
+    else:
+        assert described == {"attention": "sdpa-gather", "norms_swiglu": "torch"} and replays == 0
+
+
+def test_decode_steps_are_captured_again_after_the_kv_cache_is_reallocated(tiny_llama):
+    from kunlun_infer import LLM, SamplingParams
+
+    folder, _ = tiny_llama
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 299, (n,), generator=g).tolist() for n in (3, 40, 90)]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    overrides = [*CUDA_RUN[:-1], "model.max_model_len=256", "scheduler.max_num_seqs=8", "cache.num_blocks=64",
+                 "cache.prefix_caching=false"]
+    with LLM(model=str(folder), overrides=overrides) as llm:
+        first = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        graphs = llm.engine.runner.graphs
+        captures, replays = graphs.captures, graphs.replays
+        assert captures > 0 and replays > 0
+        llm.engine.runner.resize_kv_cache(64)  # drops every capture: their buffers pointed into the old cache
+        assert graphs.batch_sizes == []
+        again = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert again == first
+        assert graphs.captures > captures and graphs.replays > replays and not graphs.refused

@@ -1,6 +1,17 @@
-"""``ops=cuda``: the whole op table in torch, with paged attention through one SDPA call per step.
+"""``ops=cuda``: the whole op table, paged attention read in place, fused norms, and decode steps as CUDA graphs.
 
-``paged_attention`` gathers every sequence's K/V blocks into a padded batch
+Where Triton imports and the tensors are on a GPU (``ops.attention`` and
+``ops.fused_kernels`` left at ``auto``), attention goes through the plugin's
+own backend (:mod:`kunlun_infer_cuda.attention`: the KV cache read in place
+through the block tables, decode split over the context), and RMS norm, the
+residual-add RMS norm and SwiGLU run as one Triton kernel each instead of
+several torch kernels. :meth:`TorchCudaOps.capture` records a decode step as
+a CUDA graph (hook API 1.5), so a replay launches its few hundred kernels
+without Python; the engine captures the batch sizes of ``ops.step_graph_sizes``
+and pads a step to the next one.
+
+The torch kernels below remain the table where Triton is absent
+(``ops.attention=sdpa``, ``ops.fused_kernels=off``): ``paged_attention`` gathers every sequence's K/V blocks into a padded batch
 and runs ``torch.nn.functional.scaled_dot_product_attention`` once for all
 sequences (prefills, chunked prefills and decodes alike) with a mask that is
 causal from each sequence's own offset and hides padding; grouped-query
@@ -11,10 +22,17 @@ the kernels also run (and are tested) on CPU tensors.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from kunlun_infer.capabilities import DictOpsProvider
+from kunlun_infer.capabilities import CapturedStep, DictOpsProvider
+from kunlun_infer.ops.attention import MHA, AttentionSpec
 from kunlun_infer.ops import reference
 from kunlun_infer.ops.moe import grouped_fused_moe
 
@@ -131,8 +149,102 @@ KERNELS = {
 }
 
 
-class TorchCudaOps(DictOpsProvider):
-    """Every op of the table; paged attention through SDPA."""
+#: the ops ``ops.fused_kernels`` replaces by one Triton kernel each
+FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul")
+#: values of ``ops.attention`` / ``ops.fused_kernels``
+ATTENTION_CHOICES = ("auto", "triton", "sdpa")
+FUSED_CHOICES = ("auto", "on", "off")
 
-    def __init__(self, name: str = "cuda") -> None:
-        super().__init__(KERNELS, name=name)
+log = logging.getLogger("kunlun_infer.cuda")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class CudaGraphStep(CapturedStep):
+    """A decode step recorded as a CUDA graph; ``replay`` relaunches it on the same buffers."""
+
+    def __init__(self, graph: Any, result: Any) -> None:
+        self.graph = graph
+        self.result = result
+
+    def replay(self) -> Any:
+        self.graph.replay()
+        return self.result
+
+
+class TorchCudaOps(DictOpsProvider):
+    """Every op of the table; Triton attention and fused kernels where they apply; CUDA-graph capture.
+
+    ``attention`` / ``fused_kernels``: ``auto`` uses Triton when it imports and
+    ``torch_device`` is a GPU; ``triton`` / ``on`` use it on any device (CPU
+    tensors run in Triton's interpreter: how the kernels are tested without a
+    GPU); ``sdpa`` / ``off`` keep the torch kernels.
+    """
+
+    def __init__(self, name: str = "cuda", *, torch_device: torch.device | None = None, attention: str = "auto",
+                 fused_kernels: str = "auto") -> None:
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"ops.attention={attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
+        if str(fused_kernels) not in FUSED_CHOICES:
+            raise ValueError(f"ops.fused_kernels={fused_kernels!r}: choose one of {', '.join(FUSED_CHOICES)}")
+        on_gpu = torch_device is not None and torch_device.type == "cuda"
+        have_triton = triton_available()
+        for option, value in (("ops.attention", attention), ("ops.fused_kernels", fused_kernels)):
+            if value in ("triton", "on") and not have_triton:
+                raise ValueError(f"{option}={value} needs the triton package, which does not import here; install "
+                                 f"it or set {option}=auto")
+        self.torch_device = torch_device
+        self.triton_attention = attention == "triton" or (attention == "auto" and on_gpu and have_triton)
+        self.fused = fused_kernels == "on" or (fused_kernels == "auto" and on_gpu and have_triton)
+        kernels: dict[str, Callable[..., Any]] = dict(KERNELS)
+        if self.fused:
+            from kunlun_infer_cuda import triton_kernels
+
+            kernels.update({op: getattr(triton_kernels, op) for op in FUSED_OPS})
+        super().__init__(kernels, name=name)
+        #: the memory pool the live captures share, and those captures: once every capture is gone (an engine's
+        #: KV cache was resized, which drops them), a new pool is taken, since torch refuses to capture into a
+        #: pool whose graphs were all destroyed while a tensor of theirs is still referenced
+        self._pool: Any = None
+        self._captures: weakref.WeakSet[CudaGraphStep] = weakref.WeakSet()
+
+    def attention_backend(self, spec: AttentionSpec) -> Any:
+        if spec.kind != MHA or not self.triton_attention:
+            return None  # the reference backend over paged_attention (SDPA) above
+        from kunlun_infer_cuda.attention import TritonAttentionBackend
+
+        return TritonAttentionBackend(spec)
+
+    def describe(self) -> dict[str, str]:
+        """What serves attention and the norms, for ``plugins`` and the benchmark's records."""
+        return {"attention": "triton-paged" if self.triton_attention else "sdpa-gather",
+                "norms_swiglu": "triton-fused" if self.fused else "torch"}
+
+    def capture(self, fn: Callable[[], Any]) -> CudaGraphStep | None:
+        """``fn`` run once on a side stream (Triton compiles, cuBLAS chooses, the allocator grows), then recorded
+        as a CUDA graph in a memory pool shared by every capture, and replayed once so its result is the graph's.
+        ``None`` off a GPU, or when the region cannot be captured (logged)."""
+        device = self.torch_device
+        if device is None or device.type != "cuda":
+            return None
+        try:
+            side = torch.cuda.Stream(device=device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            if self._pool is None or not self._captures:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                result = fn()
+            graph.replay()
+        except Exception as exc:  # noqa: BLE001 - the step then runs eagerly, as without capture
+            log.warning("ops=%s: a decode step could not be captured as a CUDA graph (%s); it runs eagerly",
+                        self.name, exc)
+            return None
+        step = CudaGraphStep(graph, result)
+        self._captures.add(step)
+        return step

@@ -34,7 +34,9 @@ def make_memory(*, config: Any = None, device: Any) -> Any:
 def make_ops(*, config: Any = None, device: Any = None) -> Any:
     from kunlun_infer_cuda.ops import TorchCudaOps
 
-    return TorchCudaOps()
+    return TorchCudaOps(torch_device=getattr(device, "torch_device", None),
+                        attention=str(config_value(config, "attention", "auto")),
+                        fused_kernels=str(config_value(config, "fused_kernels", "auto")))
 
 
 def make_streams(*, config: Any = None, device: Any) -> Any:
@@ -57,7 +59,8 @@ def kunlun_infer_plugin_info() -> PluginInfo:
         api=">=1.1,<2",  # its platform option needs the platform group (1.1)
         capabilities=("device", "memory", "ops", "comm", "streams"),
         stack={"torch": torch.__version__, "cuda runtime": str(torch.version.cuda or "none")},
-        description="NVIDIA GPUs: torch.cuda device, caching allocator, CUDA streams, NCCL, SDPA attention",
+        description="NVIDIA GPUs: torch.cuda device, caching allocator, CUDA streams, NCCL, Triton paged "
+                    "attention, fused norms, CUDA-graph decode steps",
     )
 
 
