@@ -1,0 +1,303 @@
+"""kunlun_infer on one NVIDIA GPU (``platform=cuda``) against transformers ``generate()``, lever by lever.
+
+Models are built locally with transformers' config classes (random weights,
+bfloat16, no hub): a Qwen2-shaped 0.5B (``perf_cpu``'s shape) and a
+Llama-3.2-1B-shaped 1.2B. Per model, in one process:
+
+- the memory bandwidth of the run (a device-to-device copy, bytes read plus
+  written), and the weight-streaming bound of a batch-1 decode step at it;
+- transformers ``generate()`` serving the requests as one static left-padded
+  batch (every row as long as the longest output; only useful tokens count);
+- kunlun_infer serving the same requests with the levers switched on one by
+  one: the plugin as it was (SDPA over gathered K/V, torch norms, every step
+  eager), then the Triton paged-attention backend, then the fused norms and
+  SwiGLU, then decode steps replayed as CUDA graphs (the default). Each
+  engine serves a warm-up burst first (Triton compiles, graphs are captured
+  for every batch size) whose time is recorded apart; then the timed run;
+- each variant's batch-1 decode step (median), beside the bound.
+
+Requests: ``--requests`` (256) token-id prompts of 128-1024 tokens and
+outputs of 64-512, greedy, EOS ignored. Writes ``--out`` (JSON) as it goes::
+
+    python benchmarks/perf_gpu.py --out benchmarks/results/perf_gpu_h200.json
+    python benchmarks/perf_gpu.py --models qwen2-0.5b --requests 64 --variants graphs
+
+``--cpu-dry-run`` runs the same code path on the host CPU (``ops=cuda`` over
+CPU tensors, Triton interpreted, float32; a tiny model and a few requests):
+a check of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import perf_cpu  # noqa: E402  (a sibling file: the request sets and the batch-1 decode step)
+
+from kunlun_infer.runtime.guard import unwrap  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "perf_gpu.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuModel:
+    family: str  # "qwen2" | "llama"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    def config(self) -> Any:
+        import transformers
+
+        common = dict(hidden_size=self.hidden, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                      num_key_value_heads=self.kv_heads, intermediate_size=self.intermediate, vocab_size=self.vocab,
+                      tie_word_embeddings=True, max_position_embeddings=4096)
+        if self.family == "qwen2":
+            return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)
+        return transformers.LlamaConfig(rope_theta=500_000.0, bos_token_id=None, eos_token_id=None, **common)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def weight_bytes(self) -> int:
+        """bf16 bytes a decode step reads: every layer's linear weights and the tied head (embedding rows aside)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+        return 2 * (self.layers * per_layer + self.vocab * self.hidden)
+
+
+MODELS = {"qwen2-0.5b": GpuModel("qwen2", 896, 24, 14, 2, 4864, 151936),
+          "llama-1b": GpuModel("llama", 2048, 16, 32, 8, 8192, 128256),
+          "tiny": GpuModel("llama", 128, 2, 4, 2, 256, 1000)}
+
+#: the levers, switched on one at a time (each variant keeps the ones before it)
+VARIANTS = {
+    "plugin before (sdpa gather, torch norms, eager)": ["ops.attention=sdpa", "ops.fused_kernels=off",
+                                                        "ops.step_graphs=0"],
+    "+ triton paged attention": ["ops.attention=triton", "ops.fused_kernels=off", "ops.step_graphs=0"],
+    "+ fused norms and swiglu": ["ops.attention=triton", "ops.fused_kernels=on", "ops.step_graphs=0"],
+    "+ cuda graphs (default)": [],
+}
+SHORT = {"sdpa": "plugin before (sdpa gather, torch norms, eager)", "triton": "+ triton paged attention",
+         "fused": "+ fused norms and swiglu", "graphs": "+ cuda graphs (default)"}
+
+
+def build(model: GpuModel, folder: Path, device: torch.device) -> Path:
+    import transformers
+
+    if (folder / "config.json").is_file():
+        return folder
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(model.config(), dtype=dtype)
+    hf.config.dtype = dtype
+    hf.save_pretrained(folder, safe_serialization=True)
+    del hf
+    torch.cuda.empty_cache()
+    return folder
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes per second (read plus written) of a device-to-device copy, median of 10 after warm-up."""
+    if device.type != "cuda":
+        src = torch.rand(nbytes // 4)
+        start = time.perf_counter()
+        src.clone()
+        return 2 * nbytes / (time.perf_counter() - start)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def engine_overrides(num_blocks: int, max_seqs: int, device: torch.device) -> list[str]:
+    where = (["platform=cuda", "comm=single", "model.dtype=bfloat16"] if device.type == "cuda" else
+             ["device=cpu", "memory=caching", "ops=cuda", "streams=sync", "comm=single", "model.dtype=float32"])
+    return [*where, f"cache.num_blocks={num_blocks}",
+            "cache.prefix_caching=false", "model.max_model_len=2048", f"scheduler.max_num_seqs={max_seqs}",
+            "scheduler.max_num_batched_tokens=8192"]
+
+
+def transformers_run(folder: Path, requests: perf_cpu.Requests, device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    width = max(len(p) for p in requests.prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in requests.prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in requests.prompts], device=device)
+    longest = max(requests.output_lens)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        hf.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm
+        sync(device)
+        start = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, **kwargs)
+        sync(device)
+        seconds = time.perf_counter() - start
+        b1 = torch.randint(0, 1000, (1, 64), device=device)
+        hf.generate(b1, max_new_tokens=8, min_new_tokens=8, **kwargs)
+        sync(device)
+        start = time.perf_counter()
+        hf.generate(b1, max_new_tokens=129, min_new_tokens=129, **kwargs)
+        sync(device)
+        b1_seconds = (time.perf_counter() - start) / 128  # the first token is the prefill's
+    del hf
+    torch.cuda.empty_cache()
+    return {"seconds": seconds, "tokens_per_s": requests.useful_tokens / seconds, "batch1_ms": 1e3 * b1_seconds}
+
+
+def warmup_requests(vocab: int, max_seqs: int) -> tuple[list[list[int]], list[int]]:
+    """A burst whose decode batches shrink through every size from ``max_seqs`` to 1 (short prompts, outputs
+    spread over 1..64): every captured batch size is met, every kernel compiled."""
+    g = torch.Generator().manual_seed(99)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(8, 200, (max_seqs,), generator=g)]
+    return prompts, [1 + (i * 64) // max_seqs for i in range(max_seqs)]
+
+
+def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, overrides: list[str], num_blocks: int,
+         device: torch.device) -> dict[str, Any]:
+    import kunlun_infer as ki
+
+    max_seqs = len(requests.prompts)
+    out: dict[str, Any] = {"overrides": overrides}
+    with ki.LLM(model=str(folder), overrides=[*engine_overrides(num_blocks, max_seqs, device), *overrides]) as llm:
+        describe = getattr(unwrap(llm.engine.runtime.ops), "describe", None)
+        out["kernels"] = describe() if callable(describe) else None
+        prompts, lens = warmup_requests(model.vocab, max_seqs)
+        start = time.perf_counter()
+        llm.generate(prompts, [ki.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens],
+                     use_tqdm=False)
+        out["warmup_seconds"] = time.perf_counter() - start
+        params = [ki.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in requests.output_lens]
+        start = time.perf_counter()
+        outputs = llm.generate(requests.prompts, params, use_tqdm=False)
+        out["seconds"] = time.perf_counter() - start
+        assert [len(o.token_ids) for o in outputs] == requests.output_lens
+        out["tokens_per_s"] = requests.useful_tokens / out["seconds"]
+        out["batch1_ms"] = 1e3 * perf_cpu.decode_steps(llm, 1, 64, 129, model.vocab, seed=5)
+        graphs = getattr(llm.engine.runner, "graphs", None)
+        if graphs is not None:
+            out["graphs"] = {"captured_sizes": graphs.batch_sizes, "replays": graphs.replays,
+                             "refused": {str(k): v for k, v in graphs.refused.items()}}
+    torch.cuda.empty_cache()
+    return out
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    import platform
+
+    facts: dict[str, Any] = {"gpu": "none (CPU dry run)", "torch": torch.__version__, "cuda": torch.version.cuda,
+                             "python": platform.python_version(), "host_cpu": platform.processor()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        facts.update(gpu=props.name, multiprocessors=props.multi_processor_count,
+                     memory_gib=round(props.total_memory / 2**30, 1))
+    try:
+        import triton
+
+        facts["triton"] = triton.__version__
+    except ImportError:
+        facts["triton"] = None
+    try:
+        import transformers
+
+        facts["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return facts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="qwen2-0.5b,llama-1b")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompts", default="128,1024", help="prompt length range")
+    parser.add_argument("--outputs", default="64,512", help="output length range")
+    parser.add_argument("--variants", default="sdpa,triton,fused,graphs")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--folder", default="/tmp/kunlun-gpu-models")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-dry-run", action="store_true", help="check the script on the host CPU (see above)")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu") if args.cpu_dry_run else torch.device("cuda", 0)
+    prompt_range = tuple(int(x) for x in args.prompts.split(","))
+    output_range = tuple(int(x) for x in args.outputs.split(","))
+    report: dict[str, Any] = {"command": " ".join(["python", "benchmarks/perf_gpu.py", *(argv or sys.argv[1:])]),
+                              "date": time.strftime("%Y-%m-%d"), "machine": machine(device),
+                              "requests": {"count": args.requests, "prompts": prompt_range, "outputs": output_range},
+                              "models": {}}
+    report["copy_bytes_per_s"] = copy_bandwidth(device)
+    print(f"{report['machine']['gpu']}: copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    for name in args.models.split(","):
+        model = MODELS[name]
+        folder = build(model, Path(args.folder) / name, device)
+        requests = perf_cpu.make_requests(args.requests, model.vocab, args.seed, prompt_range, output_range)
+        tokens = sum(len(p) + n for p, n in zip(requests.prompts, requests.output_lens))
+        num_blocks = 2 * (tokens // 16 + 2 * args.requests) + 1024
+        entry: dict[str, Any] = {"shape": dataclasses.asdict(model), "weight_bytes": model.weight_bytes(),
+                                 "useful_tokens": requests.useful_tokens,
+                                 "batch1_bound_ms": 1e3 * model.weight_bytes() / report["copy_bytes_per_s"],
+                                 "variants": {}}
+        report["models"][name] = entry
+        if not args.no_transformers:
+            entry["transformers"] = transformers_run(folder, requests, device)
+            print(f"{name}: transformers {entry['transformers']['tokens_per_s']:.0f} tok/s, "
+                  f"batch-1 {entry['transformers']['batch1_ms']:.2f} ms", flush=True)
+            out_path.write_text(json.dumps(report, indent=1))
+        for short in args.variants.split(","):
+            label = SHORT[short]
+            try:
+                overrides = [*VARIANTS[label], *(["ops.attention=triton"] if args.cpu_dry_run and short != "sdpa"
+                                                 else [])]
+                result = ours(folder, model, requests, overrides, num_blocks, device)
+            except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            entry["variants"][label] = result
+            out_path.write_text(json.dumps(report, indent=1))
+            if "error" in result:
+                print(f"{name}: {label}: {result['error']}", flush=True)
+                continue
+            theirs = entry.get("transformers", {}).get("tokens_per_s")
+            vs = f" ({result['tokens_per_s'] / theirs:.2f}x transformers)" if theirs else ""
+            print(f"{name}: {label}: {result['tokens_per_s']:.0f} tok/s{vs}, warm-up {result['warmup_seconds']:.1f} s, "
+                  f"batch-1 {result['batch1_ms']:.2f} ms (bound {entry['batch1_bound_ms']:.3f})", flush=True)
+    out_path.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
