@@ -214,3 +214,20 @@ def test_stage_1_data_that_does_not_come_back_points_at_the_hardware(cli, tmp_pa
     failure = result.json()["stages"][0]["failure"]
     assert (failure["layer"], failure["plugin"]) == ("hardware", "broken-devices")
     assert failure["hook"] == "Device.torch_device (host <-> device copy)"
+
+
+def test_the_reference_op_run_of_the_doctor_steps_eagerly():
+    """Its table's reference ops read values on the host (a CUDA graph of them fails to capture): the doctor's
+    reference runtime never offers a capture, though the runtime it wraps (and forwards everything else to) does."""
+    from kunlun_infer.runtime import PluginManager, Runtime
+    from kunlun_infer.tools.doctor.model_check import OpsRuntime, mixed_table
+
+    manager = PluginManager.load()
+    with Runtime.from_config(compose_config([], plugin_manager=manager), plugin_manager=manager) as runtime:
+        calls = []
+        runtime.capture_step = lambda fn: (fn(), "captured")[1]  # a plugin that captures everything
+        reference = OpsRuntime(runtime, mixed_table(runtime, ()))
+        assert reference.capture_step(lambda: calls.append("reference")) is None
+        assert reference.capture_step is not runtime.capture_step and reference.device is runtime.device
+        assert runtime.capture_step(lambda: calls.append("real")) == "captured"
+        assert calls == ["real"]

@@ -61,6 +61,11 @@ class OpsRuntime:
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend | None:
         return self._runtime.attention_backend(spec) if self._plugin_attention else None
 
+    def capture_step(self, fn: Any) -> None:
+        """Every step eager: the fixed table's ops (the references among them) are not written to be captured
+        (a CUDA graph of the reference ``store_kv``, which reads its mask on the host, fails to capture)."""
+        return None
+
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._runtime, attr)
 
