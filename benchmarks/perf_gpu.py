@@ -61,9 +61,9 @@ class GpuModel:
     def config(self) -> Any:
         import transformers
 
-        common = dict(hidden_size=self.hidden, num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                      num_key_value_heads=self.kv_heads, intermediate_size=self.intermediate, vocab_size=self.vocab,
-                      tie_word_embeddings=True, max_position_embeddings=4096)
+        common = {"hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                  "num_key_value_heads": self.kv_heads, "intermediate_size": self.intermediate,
+                  "vocab_size": self.vocab, "tie_word_embeddings": True, "max_position_embeddings": 4096}
         if self.family == "qwen2":
             return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)
         return transformers.LlamaConfig(rope_theta=500_000.0, bos_token_id=None, eos_token_id=None, **common)
@@ -155,7 +155,7 @@ def transformers_run(folder: Path, requests: perf_cpu.Requests, device: torch.de
     ids = torch.tensor([[0] * (width - len(p)) + p for p in requests.prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in requests.prompts], device=device)
     longest = max(requests.output_lens)
-    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    kwargs = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
     with torch.inference_mode():
         hf.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm
         sync(device)

@@ -22,14 +22,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec, CacheTensorSpec
 from kunlun_infer.ops.attention_step import AttentionStep, decodes_first
-
 from kunlun_infer_cuda import triton_kernels as tk
 
 

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.capabilities import CapturedStep, DictOpsProvider
-from kunlun_infer.ops.attention import MHA, AttentionSpec
 from kunlun_infer.ops import reference
+from kunlun_infer.ops.attention import MHA, AttentionSpec
 from kunlun_infer.ops.moe import grouped_fused_moe
 
 

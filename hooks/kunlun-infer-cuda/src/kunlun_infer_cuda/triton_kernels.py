@@ -189,7 +189,8 @@ def _merge_splits_kernel(PartOut, PartLse, Out, stride_ot, stride_oh, num_heads,
     base = (b * num_heads + h) * num_splits
     lse = tl.load(PartLse + base + s, mask=s < num_splits, other=float("-inf"))
     weight = tl.exp(lse - tl.max(lse, 0))  # the first split is never empty: the maximum is finite
-    part = tl.load(PartOut + (base + s)[:, None] * D_P + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
+    part = tl.load(PartOut + (base + s)[:, None] * D_P + d[None, :],
+                   mask=(s < num_splits)[:, None] & (d < head_dim)[None, :], other=0.0)  # lanes past D: unwritten
     out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(Out + b * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < head_dim)
 

@@ -64,7 +64,6 @@ class OpsRuntime:
     def capture_step(self, fn: Any) -> None:
         """Every step eager: the fixed table's ops (the references among them) are not written to be captured
         (a CUDA graph of the reference ``store_kv``, which reads its mask on the host, fails to capture)."""
-        return None
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._runtime, attr)
