@@ -100,10 +100,7 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
     row_of_token = torch.repeat_interleave(torch.arange(len(seqs)), new, output_size=num_tokens)
     positions = torch.arange(num_tokens) + (start_t - query_start_loc[:-1]).index_select(0, row_of_token)
     tables = [list(seqs[i].block_table) for i in order]
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-    slot_mapping = padded[row_of_token, positions // block_size] * block_size + positions % block_size
-    step = AttentionStep(block_size, counts, starts, tables, slot_mapping.tolist(), device)
+    step = AttentionStep(block_size, counts, starts, tables, _slots(tables, starts, counts, block_size), device)
     row_starts = torch.empty(len(seqs), dtype=torch.int64)  # where each batch row's tokens start
     row_starts[torch.tensor(order, dtype=torch.int64)] = query_start_loc[:-1]
     computed = [s.num_computed_tokens for s in seqs]
@@ -126,6 +123,21 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
             logits_indices = torch.cat([logits_indices, torch.tensor(extra, dtype=torch.int64)])
     return StepInputs(torch.tensor(input_ids, dtype=torch.int64).to(device), positions.to(device), step,
                       logits_indices.to(device), sample_rows, spans, draft_rows)
+
+
+def _slots(tables: list[list[int]], starts: list[int], counts: list[int], block_size: int) -> list[int]:
+    """The cache slot of every new token, sequence by sequence: one ``range`` per cache block touched (a decode
+    token is one lookup), so the host never builds the batch's padded block table to index it."""
+    slots: list[int] = []
+    for table, pos, n in zip(tables, starts, counts):
+        end = pos + n
+        while pos < end:
+            block, offset = divmod(pos, block_size)
+            taken = min(end - pos, block_size - offset)
+            first = table[block] * block_size + offset
+            slots.extend(range(first, first + taken))
+            pos += taken
+    return slots
 
 
 class ModelRunner:

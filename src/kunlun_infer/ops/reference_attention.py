@@ -49,7 +49,7 @@ def reference_metadata(step: AttentionStep) -> AttentionMetadata:
     """The :class:`AttentionMetadata` of ``step``, on ``step.device``."""
     return AttentionMetadata(
         slot_mapping=step.tensor(step.slot_mapping, torch.int64),
-        block_tables=step.tensor(step.padded_block_tables(), torch.int32),
+        block_tables=torch.from_numpy(step.block_table_array()).to(step.device),
         seq_lens=step.tensor(step.seq_lens, torch.int32),
         query_start_loc=step.tensor(step.query_start_loc, torch.int32),
         max_query_len=step.max_query_len, max_seq_len=step.max_seq_len, is_decode_only=step.is_decode_only)
@@ -79,15 +79,15 @@ class ReferenceAttentionBackend(AttentionBackend):
     def update_metadata(self, static: AttentionMetadata, step: AttentionStep) -> bool:
         """In place, for a captured decode step: slots, lengths and tables are tensors the kernels read; tables
         narrower than ``static``'s keep stale ids past their own blocks, which no kernel reads."""
-        tables = step.padded_block_tables()
+        tables = step.block_table_array()
         if (not step.is_decode_only or static.seq_lens.shape[0] != step.num_seqs
-                or (tables and len(tables[0]) > static.block_tables.shape[1])):
+                or tables.shape[1] > static.block_tables.shape[1]):
             return False
         static.slot_mapping.copy_(torch.tensor(step.slot_mapping, dtype=torch.int64))
         static.seq_lens.copy_(torch.tensor(step.seq_lens, dtype=torch.int32))
         static.query_start_loc.copy_(torch.tensor(step.query_start_loc, dtype=torch.int32))
-        if tables:
-            static.block_tables[:, :len(tables[0])].copy_(torch.tensor(tables, dtype=torch.int32))
+        if tables.size:
+            static.block_tables[:, :tables.shape[1]].copy_(torch.from_numpy(tables))
         static.max_query_len, static.max_seq_len, static.is_decode_only = 1, step.max_seq_len, True
         return True
 

@@ -20,7 +20,6 @@ and a replay serves any later step of that batch size. Padding sequences
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -74,17 +73,9 @@ class TritonMetadata:
 
 
 def _host_buffer(step: AttentionStep, width: int, tiles: tuple[list[int], list[int]]) -> torch.Tensor:
-    """The step's metadata laid out as :class:`TritonMetadata` reads it, built with numpy: a decode step of 256
-    sequences over 128-block tables is 33k numbers, which Python lists would take milliseconds to pad and copy."""
+    """The step's metadata laid out as :class:`TritonMetadata` reads it (block tables padded with numpy)."""
     head = np.array([*step.slot_mapping, *step.seq_lens, *step.query_start_loc, *tiles[0], *tiles[1]], dtype=np.int32)
-    lens = np.fromiter(map(len, step.block_tables), dtype=np.int64, count=step.num_seqs)
-    flat = np.fromiter(itertools.chain.from_iterable(step.block_tables), dtype=np.int32, count=int(lens.sum()))
-    buffer = np.zeros(head.size + step.num_seqs * width, dtype=np.int32)
-    buffer[:head.size] = head
-    starts = np.cumsum(lens) - lens
-    # table entry j of sequence i goes to head.size + i * width + j
-    buffer[head.size + np.repeat(np.arange(step.num_seqs) * width - starts, lens) + np.arange(flat.size)] = flat
-    return torch.from_numpy(buffer)
+    return torch.from_numpy(np.concatenate((head, step.block_table_array(width).ravel())))
 
 
 class TritonAttentionBackend(AttentionBackend):
