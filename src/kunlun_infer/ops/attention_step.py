@@ -142,13 +142,13 @@ class AttentionStep:
     # ------------------------------------------------------------------ tensors
 
     def padded_block_tables(self, width: int | None = None, pad: int = 0) -> list[list[int]]:
-        """Block tables as rows of equal ``width`` (default: the longest table), filled with ``pad``."""
-        width = max((len(t) for t in self.block_tables), default=0) if width is None else width
-        return [list(t[:width]) + [pad] * (width - len(t)) for t in self.block_tables]
+        """:meth:`block_table_array` as lists."""
+        return self.block_table_array(width, pad).tolist()
 
     def block_table_array(self, width: int | None = None, pad: int = 0) -> np.ndarray:
-        """:meth:`padded_block_tables` as an int32 ``[num_seqs, width]`` array, filled without padding lists in
-        Python (a decode step of 256 sequences over 128-block tables is 33k numbers)."""
+        """Block tables as rows of equal ``width`` (default: the longest table; longer tables are cut), filled
+        with ``pad``: an int32 ``[num_seqs, width]`` array, built without padding lists in Python (a decode step
+        of 256 sequences over 128-block tables is 33k numbers)."""
         lens = np.fromiter(map(len, self.block_tables), dtype=np.int64, count=self.num_seqs)
         width = int(lens.max(initial=0)) if width is None else width
         out = np.full((self.num_seqs, width), pad, dtype=np.int32)
