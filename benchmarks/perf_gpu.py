@@ -50,38 +50,36 @@ RESULTS = Path(__file__).resolve().parent / "results" / "perf_gpu.json"
 
 @dataclasses.dataclass(frozen=True)
 class GpuModel:
+    """A decoder of ``perf_cpu``'s :class:`~perf_cpu.Shape`, as a Qwen2 or a Llama (tied embeddings)."""
+
     family: str  # "qwen2" | "llama"
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
+    shape: perf_cpu.Shape
 
     def config(self) -> Any:
         import transformers
 
-        common = {"hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
-                  "num_key_value_heads": self.kv_heads, "intermediate_size": self.intermediate,
-                  "vocab_size": self.vocab, "tie_word_embeddings": True, "max_position_embeddings": 4096}
+        shape = self.shape
+        common = {"hidden_size": shape.hidden, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+                  "num_key_value_heads": shape.kv_heads, "intermediate_size": shape.intermediate,
+                  "vocab_size": shape.vocab, "tie_word_embeddings": True, "max_position_embeddings": 4096}
         if self.family == "qwen2":
             return transformers.Qwen2Config(rope_theta=1_000_000.0, **common)
         return transformers.LlamaConfig(rope_theta=500_000.0, bos_token_id=None, eos_token_id=None, **common)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def vocab(self) -> int:
+        return self.shape.vocab
 
     def weight_bytes(self) -> int:
         """bf16 bytes a decode step reads: every layer's linear weights and the tied head (embedding rows aside)."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
-        return 2 * (self.layers * per_layer + self.vocab * self.hidden)
+        return 2 * self.shape.streamed_params()
 
 
-MODELS = {"qwen2-0.5b": GpuModel("qwen2", 896, 24, 14, 2, 4864, 151936),
-          "llama-1b": GpuModel("llama", 2048, 16, 32, 8, 8192, 128256),
-          "tiny": GpuModel("llama", 128, 2, 4, 2, 256, 1000)}
+MODELS = {"qwen2-0.5b": GpuModel("qwen2", perf_cpu.SHAPES["0.5b"]),
+          "llama-1b": GpuModel("llama", perf_cpu.Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192,
+                                                       vocab=128256)),
+          "tiny": GpuModel("llama", perf_cpu.Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256,
+                                                   vocab=1000))}
 
 #: the levers, switched on one at a time (each variant keeps the ones before it)
 VARIANTS = {
@@ -268,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         requests = perf_cpu.make_requests(args.requests, model.vocab, args.seed, prompt_range, output_range)
         tokens = sum(len(p) + n for p, n in zip(requests.prompts, requests.output_lens))
         num_blocks = 2 * (tokens // 16 + 2 * args.requests) + 1024
-        entry: dict[str, Any] = {"shape": dataclasses.asdict(model), "weight_bytes": model.weight_bytes(),
+        entry: dict[str, Any] = {"family": model.family, "shape": dataclasses.asdict(model.shape),
+                                 "weight_bytes": model.weight_bytes(),
                                  "useful_tokens": requests.useful_tokens,
                                  "batch1_bound_ms": 1e3 * model.weight_bytes() / report["copy_bytes_per_s"],
                                  "variants": {}}

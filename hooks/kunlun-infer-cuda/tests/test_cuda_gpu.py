@@ -49,22 +49,6 @@ def test_nccl_group_of_one(runtime, tmp_path):
     runtime.comm.barrier()
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A random-weight transformers Llama (fp32) saved as safetensors; prompts are token ids."""
-    import transformers
-
-    folder = tmp_path_factory.mktemp("cuda-llama")
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      eos_token_id=299, bos_token_id=None, pad_token_id=None,
-                                      tie_word_embeddings=False, initializer_range=0.2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder, model
-
-
 #: the plugin's levers: everything on (the default), and the torch kernels run eagerly
 LEVERS = {"default": [], "torch-eager": ["ops.attention=sdpa", "ops.fused_kernels=off", "ops.step_graphs=0"]}
 

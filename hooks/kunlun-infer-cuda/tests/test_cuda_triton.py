@@ -384,25 +384,10 @@ TRITON_RUN = ["device=cpu", "memory=caching", "ops=cuda", "streams=sync", "ops.a
               "ops.fused_kernels=on"]
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """A tiny random Llama (grouped-query attention) saved in float32, and the model itself."""
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      eos_token_id=299, bos_token_id=None, pad_token_id=None,
-                                      tie_word_embeddings=False, initializer_range=0.2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder, model
-
-
-def test_engine_on_triton_kernels_gives_transformers_tokens(llama, monkeypatch):
+def test_engine_on_triton_kernels_gives_transformers_tokens(tiny_llama, monkeypatch):
     from kunlun_infer import LLM, SamplingParams
 
-    folder, model = llama
+    folder, model = tiny_llama
     calls: dict[str, int] = {}
 
     def spy(name):
@@ -445,11 +430,11 @@ class _Rerun(CapturedStep):
         return self.result
 
 
-def test_padded_decode_steps_replay_on_the_triton_backend(llama, monkeypatch):
+def test_padded_decode_steps_replay_on_the_triton_backend(tiny_llama, monkeypatch):
     """``ops.step_graph_sizes`` over the Triton backend: metadata updated in place, padding sequences appended."""
     from kunlun_infer import LLM, SamplingParams
 
-    folder, _ = llama
+    folder, _ = tiny_llama
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 299, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 40, 3, 9)]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (2, 6, 10, 4, 8, 12, 5)]

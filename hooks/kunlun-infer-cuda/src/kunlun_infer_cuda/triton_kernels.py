@@ -119,6 +119,28 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
            BLOCK_SIZE=k_cache.shape[2], HEADS_P=_pow2(heads), D_P=_pow2(dim, 16))
 
 
+# ---------------------------------------------------------------------- attention: what both kernels share
+
+
+@triton.jit
+def _cache_rows(table, pos, ok, cache_head, stride_cb, stride_ct, BLOCK_SIZE: tl.constexpr):
+    """Where the keys (and values) of context positions ``pos`` of one KV head start, through a block table."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    return block * stride_cb + cache_head + (pos % BLOCK_SIZE) * stride_ct
+
+
+@triton.jit
+def _online_softmax(s, v, m, denom, acc, PRECISION: tl.constexpr):
+    """One tile of scores ``s`` (hidden ones at -inf; every row sees at least one key by its first tile) and its
+    values ``v`` folded into the running maximum ``m``, denominator and weighted sum (float32)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, denom, acc
+
+
 # ---------------------------------------------------------------------- decode attention
 
 
@@ -148,22 +170,16 @@ def _decode_kernel(Q, KCache, VCache, Tables, SeqLens, Out, PartOut, PartLse,
     denom = tl.full([GROUP_P], 0.0, tl.float32)
     acc = tl.full([GROUP_P, D_P], 0.0, tl.float32)
     cache_head = kv_head.to(tl.int64) * stride_ch
+    table = Tables + b.to(tl.int64) * stride_tb
     for t0 in range(start, end, TOKENS):
         pos = t0 + tl.arange(0, TOKENS)
         ok = pos < end
-        block = tl.load(Tables + b.to(tl.int64) * stride_tb + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        rows = block * stride_cb + cache_head + (pos % BLOCK_SIZE) * stride_ct
+        rows = _cache_rows(table, pos, ok, cache_head, stride_cb, stride_ct, BLOCK_SIZE)
         tile_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(KCache + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
         v = tl.load(VCache + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        s = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, float("-inf"))
+        m, denom, acc = _online_softmax(s, v, m, denom, acc, PRECISION)
 
     filled = denom > 0
     out = acc / tl.where(filled, denom, 1.0)[:, None]
@@ -270,19 +286,13 @@ def _prefill_kernel(Q, KCache, VCache, Tables, SeqLens, QueryStart, TileSeq, Til
     for t0 in range(0, end, BLOCK_N):
         pos = t0 + tl.arange(0, BLOCK_N)
         ok = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        kv_rows = block * stride_cb + cache_head + (pos % BLOCK_SIZE) * stride_ct
+        kv_rows = _cache_rows(table, pos, ok, cache_head, stride_cb, stride_ct, BLOCK_SIZE)
         tile_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(KCache + kv_rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
+        v = tl.load(VCache + kv_rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(VCache + kv_rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, denom, acc = _online_softmax(s, v, m, denom, acc, PRECISION)
 
     out = acc / denom[:, None]
     tl.store(Out + (q_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
