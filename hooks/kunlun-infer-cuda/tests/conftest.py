@@ -18,3 +18,18 @@ def tiny_llama(tmp_path_factory):
     model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(folder, safe_serialization=True)
     return folder, model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_greedy(tiny_llama):
+    """Token-id prompts of 1-150 tokens (block edges included) and transformers' 8 greedy tokens after each."""
+    _, model = tiny_llama
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 299, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 70, 150)]
+    references = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=8, do_sample=False, pad_token_id=299)
+            references.append(out[0, len(p):].tolist())
+    return prompts, references

@@ -54,19 +54,12 @@ LEVERS = {"default": [], "torch-eager": ["ops.attention=sdpa", "ops.fused_kernel
 
 
 @pytest.mark.parametrize("levers", sorted(LEVERS))
-def test_engine_on_the_gpu_matches_transformers_token_for_token(tiny_llama, levers):
+def test_engine_on_the_gpu_matches_transformers_token_for_token(tiny_llama, tiny_llama_greedy, levers):
     from kunlun_infer import LLM, SamplingParams
     from kunlun_infer.runtime.guard import unwrap
 
-    folder, model = tiny_llama
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 299, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 70, 150)]
-    references = []
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=8, do_sample=False, pad_token_id=299)
-            references.append(out[0, len(p):].tolist())
+    folder, _ = tiny_llama
+    prompts, references = tiny_llama_greedy
     overrides = [*CUDA_RUN[:-1], "model.max_model_len=256", "cache.block_size=16", "scheduler.max_num_seqs=8",
                  *LEVERS[levers]]
     with LLM(model=str(folder), overrides=overrides) as llm:

@@ -384,10 +384,10 @@ TRITON_RUN = ["device=cpu", "memory=caching", "ops=cuda", "streams=sync", "ops.a
               "ops.fused_kernels=on"]
 
 
-def test_engine_on_triton_kernels_gives_transformers_tokens(tiny_llama, monkeypatch):
+def test_engine_on_triton_kernels_gives_transformers_tokens(tiny_llama, tiny_llama_greedy, monkeypatch):
     from kunlun_infer import LLM, SamplingParams
 
-    folder, model = tiny_llama
+    folder, _ = tiny_llama
     calls: dict[str, int] = {}
 
     def spy(name):
@@ -401,14 +401,7 @@ def test_engine_on_triton_kernels_gives_transformers_tokens(tiny_llama, monkeypa
     for name in ("decode_attention", "prefill_attention", "rms_norm", "add_rms_norm", "silu_and_mul"):
         monkeypatch.setattr(tk, name, spy(name))
 
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 299, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 70, 150)]
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=8, do_sample=False, pad_token_id=299)
-            want.append(out[0, len(p):].tolist())
+    prompts, want = tiny_llama_greedy
     overrides = [*TRITON_RUN, "model.max_model_len=256", "cache.block_size=16", "scheduler.max_num_seqs=8"]
     with LLM(model=str(folder), overrides=overrides) as llm:
         assert llm.engine.runner.attention.name == "triton-paged"
