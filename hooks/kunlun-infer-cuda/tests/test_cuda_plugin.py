@@ -45,3 +45,21 @@ def test_runtime_on_a_host_without_gpu_fails_naming_plugin_and_layer(manager):
         Runtime.from_config(cfg, plugin_manager=manager)
     assert info.value.plugin == "cuda" and info.value.layer == "hardware"
     assert "no NVIDIA device is visible" in str(info.value)
+
+
+def test_its_stack_names_the_triton_that_serves_its_kernels(manager, monkeypatch):
+    import importlib.metadata
+
+    from kunlun_infer_cuda import plugin
+
+    stack = manager.plugins["cuda"].info.stack
+    try:
+        assert stack["triton"] == importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        assert stack["triton"] == "not installed"
+
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", absent)
+    assert plugin.kunlun_infer_plugin_info().stack["triton"] == "not installed"
