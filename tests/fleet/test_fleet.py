@@ -194,7 +194,10 @@ def test_killing_a_replica_mid_run_loses_no_request_and_it_comes_back(fleet, ser
         # its running requests streamed a token or two, and it holds requests now (its stats may lag: a count
         # that only caught up with an earlier test's tokens would have it killed before it got any)
         while (state := simchip())["stats"].get("num_generated_tokens", 0) < start + 32 or not state["in_flight"]:
-            assert time.monotonic() < deadline and not task.done()
+            assert time.monotonic() < deadline and not task.done(), (
+                f"the run ended (or 60 s passed) before the victim held requests after 32 tokens: it stood at "
+                f"{state['stats'].get('num_generated_tokens')} tokens from {start}, {state['in_flight']} in flight, "
+                f"state {state['state']}; the fleet: {fleet.replicas()}")
             await asyncio.sleep(0.01)
         os.kill(victim["pid"], signal.SIGKILL)  # mid-run: some of its requests streamed, some still queue
         streamed, not_streamed = await task
