@@ -12,7 +12,6 @@ imported when the first structured request arrives.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import re
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from kunlun_infer.capabilities import ConstraintState, LogitsProcessor, LogitsPr
 from kunlun_infer.engine.structured_output import FIELD, StructuredOutput, TaggedSequence
 from kunlun_infer.errors import RequestError
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
-from kunlun_infer.version import __version__
+from kunlun_infer.version import __version__, distribution_version
 
 PLUGIN_NAME = "xgrammar"
 INSTALL_HINT = ("structured output needs the xgrammar library: pip install 'kunlun-infer[structured]' "
@@ -193,18 +192,10 @@ def _factory(*, context: LogitsProcessorContext) -> XGrammarProcessor:
     return XGrammarProcessor(context)
 
 
-def _installed_version() -> str:
-    """xgrammar's version without importing it (the import is slow, and it may be missing)."""
-    try:
-        return importlib.metadata.version("xgrammar")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 @hookimpl
 def kunlun_infer_plugin_info() -> PluginInfo:
     return PluginInfo(name=PLUGIN_NAME, version=__version__, api=">=1.2,<2",
-                      stack={"torch": torch.__version__, "xgrammar": _installed_version()},
+                      stack={"torch": torch.__version__, "xgrammar": distribution_version("xgrammar") or "not installed"},
                       description="structured output (JSON schema, regex, choice, EBNF, tool calls) with xgrammar")
 
 

@@ -187,7 +187,7 @@ class TorchCudaOps(DictOpsProvider):
                  fused_kernels: str = "auto") -> None:
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"ops.attention={attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
-        if str(fused_kernels) not in FUSED_CHOICES:
+        if fused_kernels not in FUSED_CHOICES:
             raise ValueError(f"ops.fused_kernels={fused_kernels!r}: choose one of {', '.join(FUSED_CHOICES)}")
         on_gpu = torch_device is not None and torch_device.type == "cuda"
         have_triton = triton_available()

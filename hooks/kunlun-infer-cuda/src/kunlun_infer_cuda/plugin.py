@@ -7,7 +7,6 @@ first thing that touches the hardware.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 
 import kunlun_infer_cuda
 from kunlun_infer.hookspecs import ConfigOption, PluginInfo, hookimpl
+from kunlun_infer.version import distribution_version
 
 from kunlun_infer_cuda.config import COMM, DEVICE, config_options
 from kunlun_infer_cuda.device import config_value
@@ -52,14 +52,6 @@ def make_comm(*, config: Any = None, device: Any) -> Any:
     return DistComm(device=device, accumulate_dtype=parse_dtype(config_value(config, "accumulate_dtype", "float32")))
 
 
-def _version(distribution: str) -> str:
-    """An installed distribution's version without importing it (``not installed``: the torch kernels serve)."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 @hookimpl
 def kunlun_infer_plugin_info() -> PluginInfo:
     return PluginInfo(
@@ -68,7 +60,8 @@ def kunlun_infer_plugin_info() -> PluginInfo:
         api=">=1.1,<2",  # its platform option needs the platform group (1.1)
         capabilities=("device", "memory", "ops", "comm", "streams"),
         stack={"torch": torch.__version__, "cuda runtime": str(torch.version.cuda or "none"),
-               "triton": _version("triton")},
+               # without Triton the torch kernels serve
+               "triton": distribution_version("triton") or "not installed"},
         description="NVIDIA GPUs: torch.cuda device, caching allocator, CUDA streams, NCCL, Triton paged "
                     "attention, fused norms, CUDA-graph decode steps",
     )

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.metadata
 import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kunlun_infer.version import distribution_version
 from kunlun_infer_cuda.device import run_tool
 
 SMI_TOOLS = ("xpu-smi", "xpu_smi")
@@ -60,14 +60,6 @@ _QUERY_LINE = re.compile(r"^(?P<indent>\s*)(?P<key>\S.*?)\s+:\s*(?P<value>.*?)\s
 _MIB = re.compile(r"^(\d+)\s*MiB$", re.IGNORECASE)
 _TABLE_ROW = re.compile(r"^\|\s*(\d+)\s+(.+?)\s{2,}\S+\s*\|\s*([0-9A-Fa-f]{4,}:[0-9A-Fa-f]{2}:[0-9A-Fa-f.]+)")
 _TABLE_MEMORY = re.compile(r"(\d+)\s*MiB\s*/\s*(\d+)\s*MiB")
-
-
-def distribution_version(name: str) -> str | None:
-    """The installed version of distribution ``name``, or None."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
