@@ -388,12 +388,13 @@ def measure_transformers(folder: Path, shape: Shape, dtype: str, args: argparse.
     return entry
 
 
-def static_batch(model: Any, requests: Requests) -> Any:
+def static_batch(model: Any, requests: Requests, device: torch.device | None = None) -> Any:
     """transformers' ``generate`` on ``requests`` as one static left-padded batch, every row as long as the
-    longest output (only the useful tokens are credited): a function that runs it once."""
+    longest output (only the useful tokens are credited): a function that runs it once (its inputs on
+    ``device``, the model's; the host CPU when ``None``)."""
     width = max(len(p) for p in requests.prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in requests.prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in requests.prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in requests.prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in requests.prompts], device=device)
     longest = max(requests.output_lens)
 
     def once() -> None:

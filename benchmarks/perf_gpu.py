@@ -149,18 +149,15 @@ def transformers_run(folder: Path, requests: perf_cpu.Requests, device: torch.de
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    width = max(len(p) for p in requests.prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in requests.prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in requests.prompts], device=device)
-    longest = max(requests.output_lens)
-    kwargs = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    perf_cpu.static_batch(hf, perf_cpu.Requests(requests.prompts[:4], [4] * 4), device)()  # warm
+    once = perf_cpu.static_batch(hf, requests, device)
+    sync(device)
+    start = time.perf_counter()
+    once()
+    sync(device)
+    seconds = time.perf_counter() - start
+    kwargs = perf_cpu.HF_GREEDY
     with torch.inference_mode():
-        hf.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm
-        sync(device)
-        start = time.perf_counter()
-        hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, **kwargs)
-        sync(device)
-        seconds = time.perf_counter() - start
         b1 = torch.randint(0, 1000, (1, 64), device=device)
         hf.generate(b1, max_new_tokens=8, min_new_tokens=8, **kwargs)
         sync(device)
