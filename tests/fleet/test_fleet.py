@@ -155,6 +155,14 @@ def test_requests_sharing_a_long_prefix_land_where_it_is_cached(server, single):
 
 
 def test_a_full_fleet_answers_429_and_aborted_streams_free_the_replicas(fleet, server):
+    def generated() -> int:
+        return sum(r["stats"].get("num_generated_tokens", 0) for r in fleet.replicas())
+
+    def held() -> int:  # requests the replicas' engines hold, by the stats each poll brings
+        return sum(r["stats"].get("num_running", 0) + r["stats"].get("num_waiting", 0) for r in fleet.replicas())
+
+    before = generated()
+
     async def scenario() -> int:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             body = {"prompt": "fill", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -162,8 +170,8 @@ def test_a_full_fleet_answers_429_and_aborted_streams_free_the_replicas(fleet, s
             responses = [await s.__aenter__() for s in streams]
             assert all(r.status_code == 200 for r in responses)
             deadline = time.monotonic() + 30
-            while sum(r["in_flight"] for r in fleet.replicas()) < 64:
-                assert time.monotonic() < deadline
+            while sum(r["in_flight"] for r in fleet.replicas()) < 64 or held() < 64:  # the engines have them too
+                assert time.monotonic() < deadline, fleet.replicas()
                 await asyncio.sleep(0.05)
             refused = await client.post("/v1/completions", json={**body, "stream": False})
             for s in streams:
@@ -176,6 +184,12 @@ def test_a_full_fleet_answers_429_and_aborted_streams_free_the_replicas(fleet, s
     while any(r["in_flight"] for r in fleet.replicas()):  # the clients went away: their requests were aborted
         assert time.monotonic() < deadline, fleet.replicas()
         time.sleep(0.1)
+    # and the replicas' engines let them go: nothing left there, and the streams stopped short of their 480 tokens
+    # rather than running to the end unread
+    while held():
+        assert time.monotonic() < deadline, fleet.replicas()
+        time.sleep(0.1)
+    assert generated() - before < 64 * 480, fleet.replicas()
 
 
 def test_killing_a_replica_mid_run_loses_no_request_and_it_comes_back(fleet, server, single):
