@@ -81,16 +81,15 @@ MODELS = {"qwen2-0.5b": GpuModel("qwen2", perf_cpu.SHAPES["0.5b"]),
           "tiny": GpuModel("llama", perf_cpu.Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256,
                                                    vocab=1000))}
 
-#: the levers, switched on one at a time (each variant keeps the ones before it)
+#: the levers, switched on one at a time (each variant keeps the ones before it): ``--variants`` name -> the
+#: label the report uses, and the engine's overrides
 VARIANTS = {
-    "plugin before (sdpa gather, torch norms, eager)": ["ops.attention=sdpa", "ops.fused_kernels=off",
-                                                        "ops.step_graphs=0"],
-    "+ triton paged attention": ["ops.attention=triton", "ops.fused_kernels=off", "ops.step_graphs=0"],
-    "+ fused norms and swiglu": ["ops.attention=triton", "ops.fused_kernels=on", "ops.step_graphs=0"],
-    "+ cuda graphs (default)": [],
+    "sdpa": ("plugin before (sdpa gather, torch norms, eager)",
+             ["ops.attention=sdpa", "ops.fused_kernels=off", "ops.step_graphs=0"]),
+    "triton": ("+ triton paged attention", ["ops.attention=triton", "ops.fused_kernels=off", "ops.step_graphs=0"]),
+    "fused": ("+ fused norms and swiglu", ["ops.attention=triton", "ops.fused_kernels=on", "ops.step_graphs=0"]),
+    "graphs": ("+ cuda graphs (default)", []),
 }
-SHORT = {"sdpa": "plugin before (sdpa gather, torch norms, eager)", "triton": "+ triton paged attention",
-         "fused": "+ fused norms and swiglu", "graphs": "+ cuda graphs (default)"}
 
 
 def build(model: GpuModel, folder: Path, device: torch.device) -> Path:
@@ -275,10 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"batch-1 {entry['transformers']['batch1_ms']:.2f} ms", flush=True)
             out_path.write_text(json.dumps(report, indent=1))
         for short in args.variants.split(","):
-            label = SHORT[short]
+            label, levers = VARIANTS[short]
             try:
-                overrides = [*VARIANTS[label], *(["ops.attention=triton"] if args.cpu_dry_run and short != "sdpa"
-                                                 else [])]
+                overrides = [*levers, *(["ops.attention=triton"] if args.cpu_dry_run and short != "sdpa" else [])]
                 result = ours(folder, model, requests, overrides, num_blocks, device)
             except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
                 result = {"error": f"{type(exc).__name__}: {exc}"}

@@ -195,7 +195,8 @@ def _factory(*, context: LogitsProcessorContext) -> XGrammarProcessor:
 @hookimpl
 def kunlun_infer_plugin_info() -> PluginInfo:
     return PluginInfo(name=PLUGIN_NAME, version=__version__, api=">=1.2,<2",
-                      stack={"torch": torch.__version__, "xgrammar": distribution_version("xgrammar") or "not installed"},
+                      stack={"torch": torch.__version__,
+                             "xgrammar": distribution_version("xgrammar") or "not installed"},
                       description="structured output (JSON schema, regex, choice, EBNF, tool calls) with xgrammar")
 
 
