@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One run on a GPU machine whose Python already has a CUDA torch, triton and transformers but no package registry:
 # install the project and the cuda plugin without touching that torch (the other dependencies come as wheels in
-# .whl/, see README "GPU"), run the GPU tests, `kunlun-infer doctor`, and benchmarks/perf_gpu.py. Everything lands
-# in $OUT. Seconds for each part come from the environment:
+# .whl/, made beforehand where a registry answers: `pip wheel --no-deps -w .whl hydra-core omegaconf
+# antlr4-python3-runtime==4.9.3 pluggy setuptools`, and carried with the tree), run the GPU tests,
+# `kunlun-infer doctor`, and benchmarks/perf_gpu.py. Everything lands in $OUT. Seconds for each part come from the
+# environment:
 #
 #   OUT=/tmp/gpu-out TESTS_S=120 DOCTOR_S=90 BENCH_S=300 bash benchmarks/gpu_run.sh [perf_gpu.py arguments...]
 set -u
