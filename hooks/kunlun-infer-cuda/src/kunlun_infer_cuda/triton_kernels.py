@@ -123,10 +123,18 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 @triton.jit
-def _cache_rows(table, pos, ok, cache_head, stride_cb, stride_ct, BLOCK_SIZE: tl.constexpr):
-    """Where the keys (and values) of context positions ``pos`` of one KV head start, through a block table."""
+def _kv_tile(KCache, VCache, table, t0, end, cache_head, d, d_ok, stride_cb, stride_ct,
+             BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr):
+    """The keys and values of context positions ``t0 .. t0 + TOKENS`` of one KV head (zeros from ``end`` on), read
+    through a block table; returns ``(positions, which are before end, keys, values)``."""
+    pos = t0 + tl.arange(0, TOKENS)
+    ok = pos < end
     block = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-    return block * stride_cb + cache_head + (pos % BLOCK_SIZE) * stride_ct
+    rows = block * stride_cb + cache_head + (pos % BLOCK_SIZE) * stride_ct
+    tile_ok = ok[:, None] & d_ok[None, :]
+    k = tl.load(KCache + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
+    v = tl.load(VCache + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
+    return pos, ok, k, v
 
 
 @triton.jit
@@ -172,12 +180,8 @@ def _decode_kernel(Q, KCache, VCache, Tables, SeqLens, Out, PartOut, PartLse,
     cache_head = kv_head.to(tl.int64) * stride_ch
     table = Tables + b.to(tl.int64) * stride_tb
     for t0 in range(start, end, TOKENS):
-        pos = t0 + tl.arange(0, TOKENS)
-        ok = pos < end
-        rows = _cache_rows(table, pos, ok, cache_head, stride_cb, stride_ct, BLOCK_SIZE)
-        tile_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(KCache + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
-        v = tl.load(VCache + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
+        _, ok, k, v = _kv_tile(KCache, VCache, table, t0, end, cache_head, d, d_ok, stride_cb, stride_ct,
+                               BLOCK_SIZE, TOKENS)
         s = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, float("-inf"))
         m, denom, acc = _online_softmax(s, v, m, denom, acc, PRECISION)
 
@@ -284,12 +288,8 @@ def _prefill_kernel(Q, KCache, VCache, Tables, SeqLens, QueryStart, TileSeq, Til
     table = Tables + seq.to(tl.int64) * stride_tb
     end = tl.minimum(seq_len, context + first_row + BLOCK_M)
     for t0 in range(0, end, BLOCK_N):
-        pos = t0 + tl.arange(0, BLOCK_N)
-        ok = pos < end
-        kv_rows = _cache_rows(table, pos, ok, cache_head, stride_cb, stride_ct, BLOCK_SIZE)
-        tile_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(KCache + kv_rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
-        v = tl.load(VCache + kv_rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
+        pos, ok, k, v = _kv_tile(KCache, VCache, table, t0, end, cache_head, d, d_ok, stride_cb, stride_ct,
+                                 BLOCK_SIZE, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m, denom, acc = _online_softmax(s, v, m, denom, acc, PRECISION)
