@@ -6,7 +6,7 @@
 # `kunlun-infer doctor`, and benchmarks/perf_gpu.py. Everything lands in $OUT. Seconds for each part come from the
 # environment:
 #
-#   OUT=/tmp/gpu-out TESTS_S=120 DOCTOR_S=90 BENCH_S=300 bash benchmarks/gpu_run.sh [perf_gpu.py arguments...]
+#   OUT=/tmp/gpu-out TESTS_S=150 DOCTOR_S=90 BENCH_S=300 bash benchmarks/gpu_run.sh [perf_gpu.py arguments...]
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -27,10 +27,13 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton._
 PY
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/stack.txt"
 
-log "GPU tests: the plugin on the GPU and its conformance suite"
-timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider hooks/kunlun-infer-cuda/tests/test_cuda_gpu.py \
-  hooks/kunlun-infer-cuda/tests/test_cuda_conformance.py --junitxml="$OUT/junit.xml" > "$OUT/tests.txt" 2>&1
-echo "pytest exit $?"; tail -15 "$OUT/tests.txt"
+log "GPU tests: the plugin on the GPU, its conformance suite, its Triton kernels compiled"
+T=hooks/kunlun-infer-cuda/tests
+timeout "${TESTS_S:-150}" bash -c "python3 -m pytest -q -p no:cacheprovider $T/test_cuda_gpu.py \
+  $T/test_cuda_conformance.py --junitxml='$OUT/junit.xml'; echo \"pytest exit \$?\"; \
+  python3 -m pytest -q -p no:cacheprovider $T/test_cuda_triton.py -k gpu- --junitxml='$OUT/junit_triton.xml'; \
+  echo \"pytest exit \$?\"" > "$OUT/tests.txt" 2>&1
+echo "tests exit $?"; grep -E "passed|failed|error|exit" "$OUT/tests.txt" | tail -8; grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -20
 
 log doctor
 timeout "${DOCTOR_S:-90}" python3 -m kunlun_infer doctor device=cuda memory=cuda ops=cuda streams=cuda comm=nccl \

@@ -10,11 +10,12 @@ Llama-3.2-1B-shaped 1.2B. Per model, in one process:
   batch (every row as long as the longest output; only useful tokens count);
 - kunlun_infer serving the same requests with the levers switched on one by
   one: the plugin as it was (SDPA over gathered K/V, torch norms, every step
-  eager), then the Triton paged-attention backend, then the fused norms and
-  SwiGLU, then decode steps replayed as CUDA graphs (the default). Each
+  eager), then the Triton paged-attention backend, then the fused norms,
+  rotary and SwiGLU, then decode steps replayed as CUDA graphs (the default). Each
   engine serves a warm-up burst first (Triton compiles, graphs are captured
   for every batch size) whose time is recorded apart; then the timed run;
-- each variant's batch-1 decode step (median), beside the bound.
+- each variant's batch-1 decode step (median), beside the bound; with graphs,
+  also the GPU time of the batch-1 capture's replay alone (the layers).
 
 Requests: ``--requests`` (256) token-id prompts of 128-1024 tokens and
 outputs of 64-512, greedy, EOS ignored. Writes ``--out`` (JSON) as it goes::
@@ -87,7 +88,8 @@ VARIANTS = {
     "sdpa": ("plugin before (sdpa gather, torch norms, eager)",
              ["ops.attention=sdpa", "ops.fused_kernels=off", "ops.step_graphs=0"]),
     "triton": ("+ triton paged attention", ["ops.attention=triton", "ops.fused_kernels=off", "ops.step_graphs=0"]),
-    "fused": ("+ fused norms and swiglu", ["ops.attention=triton", "ops.fused_kernels=on", "ops.step_graphs=0"]),
+    "fused": ("+ fused norms, rotary and swiglu",
+              ["ops.attention=triton", "ops.fused_kernels=on", "ops.step_graphs=0"]),
     "graphs": ("+ cuda graphs (default)", []),
 }
 
@@ -178,6 +180,20 @@ def warmup_requests(vocab: int, max_seqs: int) -> tuple[list[list[int]], list[in
     return prompts, [1 + (i * 64) // max_seqs for i in range(max_seqs)]
 
 
+def replay_ms(captured: Any, device: torch.device, repeats: int = 50) -> float:
+    """Median GPU milliseconds of one replay of a captured decode step (the layers alone: the step's host work,
+    head and sampling are what ``batch1_ms`` adds). Its stores land in slots of finished sequences: free blocks."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        captured.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, overrides: list[str], num_blocks: int,
          device: torch.device) -> dict[str, Any]:
     import kunlun_infer as ki
@@ -203,6 +219,8 @@ def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, overrides: 
         if graphs is not None:
             out["graphs"] = {"captured_sizes": graphs.batch_sizes, "replays": graphs.replays,
                              "refused": {str(k): v for k, v in graphs.refused.items()}}
+            if 1 in graphs.batch_sizes and device.type == "cuda":
+                out["batch1_replay_ms"] = replay_ms(graphs.captured_step(1), device)
     torch.cuda.empty_cache()
     return out
 
@@ -287,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             theirs = entry.get("transformers", {}).get("tokens_per_s")
             vs = f" ({result['tokens_per_s'] / theirs:.2f}x transformers)" if theirs else ""
+            replay = f", layers' replay {result['batch1_replay_ms']:.3f} ms" if "batch1_replay_ms" in result else ""
             print(f"{name}: {label}: {result['tokens_per_s']:.0f} tok/s{vs}, warm-up {result['warmup_seconds']:.1f} s, "
-                  f"batch-1 {result['batch1_ms']:.2f} ms (bound {entry['batch1_bound_ms']:.3f})", flush=True)
+                  f"batch-1 {result['batch1_ms']:.2f} ms{replay} (bound {entry['batch1_bound_ms']:.3f})", flush=True)
     out_path.write_text(json.dumps(report, indent=1))
     return 0
 

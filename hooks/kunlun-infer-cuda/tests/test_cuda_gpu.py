@@ -69,10 +69,10 @@ def test_engine_on_the_gpu_matches_transformers_token_for_token(tiny_llama, tiny
         replays = 0 if graphs is None else graphs.replays
     assert [o.token_ids for o in outs] == references
     if levers == "default":  # Triton attention and norms, decode steps replayed from CUDA graphs
-        assert described == {"attention": "triton-paged", "norms_swiglu": "triton-fused"}
+        assert described == {"attention": "triton-paged", "norms_rotary_swiglu": "triton-fused"}
         assert replays > 0
     else:
-        assert described == {"attention": "sdpa-gather", "norms_swiglu": "torch"} and replays == 0
+        assert described == {"attention": "sdpa-gather", "norms_rotary_swiglu": "torch"} and replays == 0
 
 
 def test_decode_steps_are_captured_again_after_the_kv_cache_is_reallocated(tiny_llama):

@@ -2,7 +2,8 @@
 
 No GPU is needed: :func:`kunlun_infer_cuda.triton_kernels.launch` interprets
 a kernel whose tensors are on the host. What is checked, in float32 and
-float16 (the interpreter is not exact for bfloat16):
+float16 (the interpreter is not exact for bfloat16); where a GPU is, the
+kernel tests run compiled on it too, in bfloat16 as well:
 
 - ``decode_attention`` against the torch ``paged_attention`` for grouped-query
   sizes, even and odd block sizes, shuffled block tables, contexts of one
@@ -12,7 +13,8 @@ float16 (the interpreter is not exact for bfloat16):
   one query tile, leaving the decode rows in front of them untouched;
 - ``store_kv``: exactly the addressed slots, nothing for slot ``-1``, from
   strided views of a wider tensor;
-- ``rms_norm``, ``add_rms_norm`` and ``silu_and_mul`` against the torch ops;
+- ``rms_norm``, ``add_rms_norm``, ``rotary_embedding`` (bit for bit: the
+  reference's roundings) and ``silu_and_mul`` against the torch ops;
 - ``TritonAttentionBackend`` passes the framework's conformance check (and a
   broken variant fails it), its metadata updates in place for a later
   decode step of the same batch size (hook API 1.5) and its padding
@@ -35,18 +37,24 @@ pytest.importorskip("triton")
 from kunlun_infer_cuda import ops as cuda_ops
 from kunlun_infer_cuda import triton_kernels as tk
 from kunlun_infer_cuda.attention import TritonAttentionBackend
-from kunlun_infer_cuda.ops import TorchCudaOps, add_rms_norm, paged_attention, rms_norm, silu_and_mul
+from kunlun_infer_cuda.ops import TorchCudaOps, add_rms_norm, paged_attention, rms_norm, rotary_embedding, silu_and_mul
 
 from kunlun_infer.capabilities import CapturedStep
+from kunlun_infer.layers.rotary import rope_cos_sin_cache
 from kunlun_infer.ops.attention import AttentionSpec
 from kunlun_infer.ops.attention_step import AttentionStep
+from kunlun_infer.ops.reference import rotary_embedding as reference_rotary
 from kunlun_infer.testing.attention import check_backend
 from kunlun_infer.testing.compare import ConformanceError
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.float16]
 #: (rtol, atol) of a kernel's output against the float32 reference of the same inputs
-CLOSE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
+CLOSE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+#: where and in which dtypes the kernel tests run: interpreted on the host, and compiled on a GPU when there is one
+PLACES = [pytest.param(CPU, dtype, id=f"interpreted-{str(dtype)[6:]}") for dtype in DTYPES] + (
+    [pytest.param(torch.device("cuda", 0), dtype, id=f"gpu-{str(dtype)[6:]}")
+     for dtype in (*DTYPES, torch.bfloat16)] if torch.cuda.is_available() else [])
 
 
 def _cache(num_blocks: int, kv_heads: int, block_size: int, dim: int, dtype: torch.dtype,
@@ -81,10 +89,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device,dtype", PLACES)
 @pytest.mark.parametrize("hq,hk,dim", [(4, 4, 32), (8, 2, 32), (7, 1, 24)], ids=["group1", "group4", "group7-d24"])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_decode_attention_matches_the_reference(dtype, hq, hk, dim, block_size):
+def test_decode_attention_matches_the_reference(device, dtype, hq, hk, dim, block_size):
     g = torch.Generator().manual_seed(hq * 100 + block_size)
     seq_lens = [1, 23, 150, 2 * block_size]  # one token, a partial block, several splits, whole blocks
     width = -(-max(seq_lens) // block_size) + 1
@@ -95,6 +103,7 @@ def test_decode_attention_matches_the_reference(dtype, hq, hk, dim, block_size):
     scale = dim ** -0.5
     want = _reference(q, k_cache, v_cache, tables, seq_lens, list(range(len(seq_lens) + 1)), scale)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q, k_cache, v_cache, tables, lens = (t.to(device) for t in (q, k_cache, v_cache, tables, lens))
 
     several = tk.decode_splits(len(seq_lens), hk, width * block_size, programs=64)
     assert several[1] > 1 and several[0] * several[1] >= max(seq_lens)
@@ -103,7 +112,7 @@ def test_decode_attention_matches_the_reference(dtype, hq, hk, dim, block_size):
         out = torch.full_like(q, float("nan"))  # a row the kernel does not write fails
         tk.decode_attention(q, k_cache, v_cache, tables, lens, out, scale, split_tokens, num_splits)
         assert out.dtype == dtype and not out.isnan().any(), f"{num_splits} split(s): rows left unwritten"
-        _close(out, want, dtype)
+        _close(out.cpu(), want, dtype)
 
 
 def test_decode_splits_cover_the_context_and_fill_the_device():
@@ -119,9 +128,9 @@ def test_decode_splits_cover_the_context_and_fill_the_device():
 # ---------------------------------------------------------------------- prefill
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device,dtype", PLACES)
 @pytest.mark.parametrize("hq,hk,block_size", [(4, 2, 16), (3, 1, 5)], ids=["group2-bs16", "group3-bs5"])
-def test_prefill_attention_matches_the_reference_and_leaves_decode_rows(dtype, hq, hk, block_size):
+def test_prefill_attention_matches_the_reference_and_leaves_decode_rows(device, dtype, hq, hk, block_size):
     g = torch.Generator().manual_seed(11)
     dim = 16
     # two decodes at the front, a prompt of two query tiles, a chunk after a cached prefix, a short prompt
@@ -141,10 +150,11 @@ def test_prefill_attention_matches_the_reference_and_leaves_decode_rows(dtype, h
 
     tile_seq, tile_row = tk.prefill_tiles(query_lens, first_seq=2)
     assert tile_seq == [2, 2, 3, 4] and tile_row == [0, tk.PREFILL_BLOCK_M, 0, 0]
+    ints = [torch.tensor(x, dtype=torch.int32, device=device) for x in (seq_lens, query_start, tile_seq, tile_row)]
+    q, k_cache, v_cache, tables = (t.to(device) for t in (q, k_cache, v_cache, tables))
     out = torch.full_like(q, float("nan"))
-    tk.prefill_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
-                         torch.tensor(query_start, dtype=torch.int32), torch.tensor(tile_seq, dtype=torch.int32),
-                         torch.tensor(tile_row, dtype=torch.int32), out, scale)
+    tk.prefill_attention(q, k_cache, v_cache, tables, *ints, out, scale)
+    out = out.cpu()
     assert out[:2].isnan().all(), "the decode rows in front belong to the decode kernel"
     assert not out[2:].isnan().any()
     _close(out[2:], want[2:], dtype)
@@ -153,25 +163,25 @@ def test_prefill_attention_matches_the_reference_and_leaves_decode_rows(dtype, h
 # ---------------------------------------------------------------------- KV store
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device,dtype", PLACES)
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("layout", ["qkv-slices", "other-strides"])
-def test_store_kv_writes_exactly_the_addressed_slots(dtype, block_size, layout):
+def test_store_kv_writes_exactly_the_addressed_slots(device, dtype, block_size, layout):
     g = torch.Generator().manual_seed(block_size)
     hq, hk, dim, num_blocks = 4, 2, 24, 6
-    k_cache, v_cache = _cache(num_blocks, hk, block_size, dim, dtype, g)
+    k_cache, v_cache = (c.to(device) for c in _cache(num_blocks, hk, block_size, dim, dtype, g))
     k_before, v_before = k_cache.clone(), v_cache.clone()
     slots = [3, -1, block_size * 4 + block_size - 1, 0, block_size * 2, -1, block_size * 5 + 1]
     tokens = len(slots)
     if layout == "qkv-slices":  # keys and values as the attention layer cuts them from one projection
-        qkv = torch.randn(tokens, hq + 2 * hk, dim, generator=g).to(dtype)
+        qkv = torch.randn(tokens, hq + 2 * hk, dim, generator=g).to(device, dtype)
         key, value = qkv[:, hq:hq + hk], qkv[:, hq + hk:]
     else:  # keys every other element (copied to a unit last stride), values with padded heads
-        key = torch.randn(tokens, hk, 2 * dim, generator=g).to(dtype)[..., ::2]
-        value = torch.randn(tokens, hk, dim + 8, generator=g).to(dtype)[..., :dim]
+        key = torch.randn(tokens, hk, 2 * dim, generator=g).to(device, dtype)[..., ::2]
+        value = torch.randn(tokens, hk, dim + 8, generator=g).to(device, dtype)[..., :dim]
         assert key.stride(-1) == 2 and value.stride()[1:] == (dim + 8, 1)
     assert not key.is_contiguous() and not value.is_contiguous()
-    tk.store_kv(key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64))
+    tk.store_kv(key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64, device=device))
 
     want_k, want_v = k_before.clone(), v_before.clone()
     for t, slot in enumerate(slots):
@@ -181,21 +191,21 @@ def test_store_kv_writes_exactly_the_addressed_slots(dtype, block_size, layout):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     assert not torch.equal(k_cache, k_before)  # the test's slots really changed something
 
-    tk.store_kv(key, value, k_cache, v_cache, torch.full((tokens,), -1, dtype=torch.int64))
+    tk.store_kv(key, value, k_cache, v_cache, torch.full((tokens,), -1, dtype=torch.int64, device=device))
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # padding rows store nothing
 
 
-# ---------------------------------------------------------------------- norms and SwiGLU
+# ---------------------------------------------------------------------- norms, rotary and SwiGLU
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device,dtype", PLACES)
 @pytest.mark.parametrize("width", [64, 100])
-def test_norms_match_the_torch_ops(dtype, width):
+def test_norms_match_the_torch_ops(device, dtype, width):
     g = torch.Generator().manual_seed(width)
-    wide = torch.randn(2, 3, width + 8, generator=g).to(dtype)
+    wide = torch.randn(2, 3, width + 8, generator=g).to(device, dtype)
     x = wide[..., :width]  # rows with a stride wider than the row
-    residual = torch.randn(2, 3, width, generator=g).to(dtype)
-    weight = (1 + 0.5 * torch.randn(width, generator=g)).to(dtype)
+    residual = torch.randn(2, 3, width, generator=g).to(device, dtype)
+    weight = (1 + 0.5 * torch.randn(width, generator=g)).to(device, dtype)
     rtol, atol = CLOSE[dtype]
 
     got = tk.rms_norm(x, weight, 1e-6)
@@ -211,11 +221,31 @@ def test_norms_match_the_torch_ops(dtype, width):
     torch.testing.assert_close(normed, want_normed, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device,dtype", PLACES)
+@pytest.mark.parametrize("hq,hk,dim", [(4, 2, 64), (3, 1, 24)], ids=["group2-d64", "mqa-d24"])
+def test_rotary_embedding_is_the_torch_op_bit_for_bit(device, dtype, hq, hk, dim):
+    g = torch.Generator().manual_seed(dim)
+    table = rope_cos_sin_cache(dim, 300, 10_000.0, None, 300).to(device)
+    positions = torch.tensor([0, 7, 299, 150, 8, 1], device=device)
+    qkv = (2 * torch.randn(6, hq + 2 * hk, dim, generator=g)).to(device, dtype)
+    q, k = qkv[:, :hq], qkv[:, hq:hq + hk]  # views of one projection, as the attention layer passes them
+    got = tk.rotary_embedding(positions, q, k, table)
+    for ref in (rotary_embedding, reference_rotary):  # the plugin's torch op and the framework's reference
+        want = ref(positions, q, k, table)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
+            assert torch.equal(a, b), f"{ref.__module__}: max difference {(a.float() - b.float()).abs().max()}"
+    assert not torch.equal(got[0], q)  # it did rotate
+    wider = torch.zeros(6, 1, 2 * dim, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match=f"a table of width {dim} for heads of {2 * dim}"):
+        tk.rotary_embedding(positions, wider, wider, table)
+
+
+@pytest.mark.parametrize("device,dtype", PLACES)
 @pytest.mark.parametrize("n", [48, 1500])  # one column block, several of them
-def test_silu_and_mul_matches_the_torch_op(dtype, n):
+def test_silu_and_mul_matches_the_torch_op(device, dtype, n):
     g = torch.Generator().manual_seed(n)
-    x = (3 * torch.randn(2, 3, 2 * n, generator=g)).to(dtype)
+    x = (3 * torch.randn(2, 3, 2 * n, generator=g)).to(device, dtype)
     got, want = tk.silu_and_mul(x), silu_and_mul(x)
     assert got.shape == want.shape == (2, 3, n) and got.dtype == dtype
     rtol, atol = CLOSE[dtype]
@@ -347,17 +377,17 @@ def test_capture_off_a_gpu_returns_none_without_running():
 def test_what_the_options_choose():
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     auto = TorchCudaOps(torch_device=CPU)
-    assert auto.describe() == {"attention": "sdpa-gather", "norms_swiglu": "torch"}
+    assert auto.describe() == {"attention": "sdpa-gather", "norms_rotary_swiglu": "torch"}
     assert auto.attention_backend(spec) is None and auto.get("rms_norm") is rms_norm
     forced = TorchCudaOps(torch_device=CPU, attention="triton", fused_kernels="on")
-    assert forced.describe() == {"attention": "triton-paged", "norms_swiglu": "triton-fused"}
+    assert forced.describe() == {"attention": "triton-paged", "norms_rotary_swiglu": "triton-fused"}
     assert isinstance(forced.attention_backend(spec), TritonAttentionBackend)
     assert {op: forced.get(op) for op in cuda_ops.FUSED_OPS} == {op: getattr(tk, op) for op in cuda_ops.FUSED_OPS}
     # on a GPU device, auto means Triton (nothing touches the GPU to decide it)
     gpu = TorchCudaOps(torch_device=torch.device("cuda", 0))
-    assert gpu.describe() == {"attention": "triton-paged", "norms_swiglu": "triton-fused"}
+    assert gpu.describe() == {"attention": "triton-paged", "norms_rotary_swiglu": "triton-fused"}
     assert TorchCudaOps(torch_device=torch.device("cuda", 0), attention="sdpa", fused_kernels="off").describe() == \
-        {"attention": "sdpa-gather", "norms_swiglu": "torch"}
+        {"attention": "sdpa-gather", "norms_rotary_swiglu": "torch"}
 
 
 def test_bad_values_name_their_key():
@@ -374,7 +404,7 @@ def test_without_triton_only_auto_and_torch_work(monkeypatch):
     with pytest.raises(ValueError, match="ops.fused_kernels=on needs the triton package"):
         TorchCudaOps(torch_device=CPU, fused_kernels="on")
     for device in (CPU, torch.device("cuda", 0)):
-        assert TorchCudaOps(torch_device=device).describe() == {"attention": "sdpa-gather", "norms_swiglu": "torch"}
+        assert TorchCudaOps(torch_device=device).describe() == {"attention": "sdpa-gather", "norms_rotary_swiglu": "torch"}
 
 
 # ---------------------------------------------------------------------- the engine
@@ -398,7 +428,8 @@ def test_engine_on_triton_kernels_gives_transformers_tokens(tiny_llama, tiny_lla
             return real(*args, **kwargs)
         return counted
 
-    for name in ("decode_attention", "prefill_attention", "rms_norm", "add_rms_norm", "silu_and_mul"):
+    for name in ("decode_attention", "prefill_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
+                 "silu_and_mul"):
         monkeypatch.setattr(tk, name, spy(name))
 
     prompts, want = tiny_llama_greedy
@@ -408,7 +439,8 @@ def test_engine_on_triton_kernels_gives_transformers_tokens(tiny_llama, tiny_lla
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
                                                  use_tqdm=False)]
     assert got == want
-    assert set(calls) == {"decode_attention", "prefill_attention", "rms_norm", "add_rms_norm", "silu_and_mul"}
+    assert set(calls) == {"decode_attention", "prefill_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
+                          "silu_and_mul"}
 
 
 class _Rerun(CapturedStep):

@@ -4,8 +4,8 @@ Where Triton imports and the tensors are on a GPU (``ops.attention`` and
 ``ops.fused_kernels`` left at ``auto``), attention goes through the plugin's
 own backend (:mod:`kunlun_infer_cuda.attention`: the KV cache read in place
 through the block tables, decode split over the context), and RMS norm, the
-residual-add RMS norm and SwiGLU run as one Triton kernel each instead of
-several torch kernels. :meth:`TorchCudaOps.capture` records a decode step as
+residual-add RMS norm, rotary embedding (queries and keys together) and
+SwiGLU run as one Triton kernel each instead of several torch kernels. :meth:`TorchCudaOps.capture` records a decode step as
 a CUDA graph (hook API 1.5), so a replay launches its few hundred kernels
 without Python; the engine captures the batch sizes of ``ops.step_graph_sizes``
 and pads a step to the next one.
@@ -150,7 +150,7 @@ KERNELS = {
 
 
 #: the ops ``ops.fused_kernels`` replaces by one Triton kernel each
-FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul")
+FUSED_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul")
 #: values of ``ops.attention`` / ``ops.fused_kernels``
 ATTENTION_CHOICES = ("auto", "triton", "sdpa")
 FUSED_CHOICES = ("auto", "on", "off")
@@ -220,7 +220,7 @@ class TorchCudaOps(DictOpsProvider):
     def describe(self) -> dict[str, str]:
         """What serves attention and the norms, for ``plugins`` and the benchmark's records."""
         return {"attention": "triton-paged" if self.triton_attention else "sdpa-gather",
-                "norms_swiglu": "triton-fused" if self.fused else "torch"}
+                "norms_rotary_swiglu": "triton-fused" if self.fused else "torch"}
 
     def capture(self, fn: Callable[[], Any]) -> CudaGraphStep | None:
         """``fn`` run once on a side stream (Triton compiles, cuBLAS chooses, the allocator grows), then recorded

@@ -63,7 +63,7 @@ def kunlun_infer_plugin_info() -> PluginInfo:
                # without Triton the torch kernels serve
                "triton": distribution_version("triton") or "not installed"},
         description="NVIDIA GPUs: torch.cuda device, caching allocator, CUDA streams, NCCL, Triton paged "
-                    "attention, fused norms, CUDA-graph decode steps",
+                    "attention, fused norms and rotary, CUDA-graph decode steps",
     )
 
 

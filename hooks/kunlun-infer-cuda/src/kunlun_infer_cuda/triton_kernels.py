@@ -1,4 +1,4 @@
-"""The CUDA plugin's own Triton kernels: paged attention read in place, the KV store, fused norms and SwiGLU.
+"""The CUDA plugin's own Triton kernels: paged attention read in place, the KV store, fused norms, rotary, SwiGLU.
 
 Every kernel here reads and writes device memory directly through strides
 and block tables: no gathered K/V copy, no host synchronisation, and launch
@@ -16,8 +16,9 @@ a block of one head is one contiguous tile.
 - :func:`prefill_attention`: blocks of a sequence's new queries against blocks
   of its cached context (prefix included), causal from the sequence's own
   offset, online softmax; one program per (query block, query head).
-- :func:`rms_norm`, :func:`add_rms_norm`, :func:`silu_and_mul`: one pass each,
-  with the references' roundings.
+- :func:`rms_norm`, :func:`add_rms_norm`, :func:`rotary_embedding`,
+  :func:`silu_and_mul`: one pass each (rotary: queries and keys of a token in
+  one program), with the references' roundings.
 
 Scores and the softmax are float32; the two products run on the tensor cores
 in the cache's dtype, and in exact float32 (``ieee``) for float32 caches.
@@ -326,7 +327,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
            BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, PRECISION=_precision(k_cache.dtype))
 
 
-# ---------------------------------------------------------------------- norms and SwiGLU
+# ---------------------------------------------------------------------- norms, rotary and SwiGLU
 
 
 @triton.jit
@@ -374,6 +375,64 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                out.stride(0), summed.stride(0), flat.shape[1], eps, ADD=True, BLOCK=_pow2(flat.shape[1]))
     shape = (*x.shape[:-1], x.shape[-1])
     return out.view(shape), summed.view(shape)
+
+
+@triton.jit
+def _rotate_heads(X, Out, stride_xh, stride_oh, num_heads, half, cos1, cos2, sin1, sin2,
+                  HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    """Rotate-half RoPE of one token's ``num_heads`` heads: ``x * cos + [-x2, x1] * sin``, each product and the
+    sum rounded to ``X``'s dtype as the reference's element-wise ops round them (the cos/sin rows come rounded)."""
+    h = tl.arange(0, HEADS_P)[:, None]
+    i = tl.arange(0, HALF_P)[None, :]
+    ok = (h < num_heads) & (i < half)
+    x1 = tl.load(X + h * stride_xh + i, mask=ok, other=0.0)
+    x2 = tl.load(X + h * stride_xh + half + i, mask=ok, other=0.0)
+    dtype = X.dtype.element_ty
+    first = ((x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)).to(dtype)
+    second = ((x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(Out + h * stride_oh + i, first.to(Out.dtype.element_ty), mask=ok)
+    tl.store(Out + h * stride_oh + half + i, second.to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rotary_kernel(Positions, Q, K, CosSin, QOut, KOut,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_oqt, stride_oqh, stride_okt, stride_okh,
+                   stride_cp, stride_cs, num_q_heads, num_k_heads, half,
+                   QHEADS_P: tl.constexpr, KHEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    row = CosSin + tl.load(Positions + t).to(tl.int64) * stride_cp
+    i = tl.arange(0, HALF_P)[None, :]
+    i_ok = i < half
+    dtype = Q.dtype.element_ty  # the reference rounds the float32 table to the queries' dtype first
+    cos1 = tl.load(row + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)
+    cos2 = tl.load(row + half + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)
+    sin1 = tl.load(row + stride_cs + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)
+    sin2 = tl.load(row + stride_cs + half + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)
+    _rotate_heads(Q + t * stride_qt, QOut + t * stride_oqt, stride_qh, stride_oqh, num_q_heads, half,
+                  cos1, cos2, sin1, sin2, QHEADS_P, HALF_P)
+    _rotate_heads(K + t * stride_kt, KOut + t * stride_okt, stride_kh, stride_okh, num_k_heads, half,
+                  cos1, cos2, sin1, sin2, KHEADS_P, HALF_P)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` (any token and head strides, e.g. views
+    of one QKV projection) by the ``[max_pos, 2, D]`` float32 table rows of ``positions``, in one kernel; returns
+    new contiguous ``(q, k)``. Products are not fused into FMAs, so float32 results are the reference's too."""
+    tokens, q_heads, dim = q.shape
+    if cos_sin_cache.shape[-1] != dim or dim % 2:
+        raise ValueError(f"rotary_embedding: a table of width {cos_sin_cache.shape[-1]} for heads of {dim}")
+    q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        table = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+        launch(_rotary_kernel, (tokens,), positions, q, k, table, q_out, k_out,
+               q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
+               k_out.stride(0), k_out.stride(1), table.stride(0), table.stride(1), q_heads, k.shape[1], dim // 2,
+               QHEADS_P=_pow2(q_heads), KHEADS_P=_pow2(k.shape[1]), HALF_P=_pow2(dim // 2), enable_fp_fusion=False)
+    return q_out, k_out
 
 
 @triton.jit
