@@ -83,14 +83,17 @@ MODELS = {"qwen2-0.5b": GpuModel("qwen2", perf_cpu.SHAPES["0.5b"]),
                                                    vocab=1000))}
 
 #: the levers, switched on one at a time (each variant keeps the ones before it): ``--variants`` name -> the
-#: label the report uses, and the engine's overrides
-VARIANTS = {
+#: label the report uses, the engine's overrides, and fused ops left to the torch kernels (one lever taken out of
+#: the default, by the plugin's ``FUSED_OPS`` while that engine is built: no config key exists for it)
+VARIANTS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     "sdpa": ("plugin before (sdpa gather, torch norms, eager)",
-             ["ops.attention=sdpa", "ops.fused_kernels=off", "ops.step_graphs=0"]),
-    "triton": ("+ triton paged attention", ["ops.attention=triton", "ops.fused_kernels=off", "ops.step_graphs=0"]),
+             ["ops.attention=sdpa", "ops.fused_kernels=off", "ops.step_graphs=0"], ()),
+    "triton": ("+ triton paged attention", ["ops.attention=triton", "ops.fused_kernels=off", "ops.step_graphs=0"],
+               ()),
     "fused": ("+ fused norms, rotary and swiglu",
-              ["ops.attention=triton", "ops.fused_kernels=on", "ops.step_graphs=0"]),
-    "graphs": ("+ cuda graphs (default)", []),
+              ["ops.attention=triton", "ops.fused_kernels=on", "ops.step_graphs=0"], ()),
+    "graphs": ("+ cuda graphs (default)", [], ()),
+    "graphs-torch-rotary": ("default, but rotary by torch's kernels", [], ("rotary_embedding",)),
 }
 
 
@@ -195,12 +198,19 @@ def replay_ms(captured: Any, device: torch.device, repeats: int = 50) -> float:
 
 
 def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, overrides: list[str], num_blocks: int,
-         device: torch.device) -> dict[str, Any]:
+         device: torch.device, torch_ops: tuple[str, ...] = ()) -> dict[str, Any]:
     import kunlun_infer as ki
+    from kunlun_infer_cuda import ops as cuda_ops
 
     max_seqs = len(requests.prompts)
-    out: dict[str, Any] = {"overrides": overrides}
-    with ki.LLM(model=str(folder), overrides=[*engine_overrides(num_blocks, max_seqs, device), *overrides]) as llm:
+    out: dict[str, Any] = {"overrides": overrides, **({"torch_ops": list(torch_ops)} if torch_ops else {})}
+    fused = cuda_ops.FUSED_OPS
+    cuda_ops.FUSED_OPS = tuple(op for op in fused if op not in torch_ops)
+    try:
+        llm = ki.LLM(model=str(folder), overrides=[*engine_overrides(num_blocks, max_seqs, device), *overrides])
+    finally:
+        cuda_ops.FUSED_OPS = fused
+    with llm:
         describe = getattr(unwrap(llm.engine.runtime.ops), "describe", None)
         out["kernels"] = describe() if callable(describe) else None
         prompts, lens = warmup_requests(model.vocab, max_seqs)
@@ -292,10 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"batch-1 {entry['transformers']['batch1_ms']:.2f} ms", flush=True)
             out_path.write_text(json.dumps(report, indent=1))
         for short in args.variants.split(","):
-            label, levers = VARIANTS[short]
+            label, levers, torch_ops = VARIANTS[short]
             try:
                 overrides = [*levers, *(["ops.attention=triton"] if args.cpu_dry_run and short != "sdpa" else [])]
-                result = ours(folder, model, requests, overrides, num_blocks, device)
+                result = ours(folder, model, requests, overrides, num_blocks, device, torch_ops)
             except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             entry["variants"][label] = result
