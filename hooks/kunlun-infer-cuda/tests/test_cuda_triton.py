@@ -345,6 +345,35 @@ def test_update_metadata_serves_a_later_decode_step_of_the_same_batch():
     assert static.seq_lens.tolist() == later.seq_lens
 
 
+def test_metadata_parts_start_on_16_byte_boundaries_and_step_varying_arguments_are_not_specialised():
+    """Triton compiles a kernel once per alignment of its pointers and per class (1, multiple of 16, other) of its
+    integers: a part of the metadata buffer landing unaligned, or a table width reaching 16, would compile it
+    again in the middle of serving."""
+    import inspect
+
+    backend = TritonAttentionBackend(AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32))
+    for query_lens, context_lens in (([1], [5]), ([1, 1, 1], [3, 20, 7]), ([1, 3, 70], [9, 0, 17]),
+                                     ([2, 5, 1, 1, 9], [0, 0, 0, 0, 0])):
+        n = sum(-(-(q + c) // 16) for q, c in zip(query_lens, context_lens))
+        blocks = iter(range(n))
+        tables = [[next(blocks) for _ in range(-(-(q + c) // 16))] for q, c in zip(query_lens, context_lens)]
+        slots = [t[p // 16] * 16 + p % 16 for q, c, t in zip(query_lens, context_lens, tables) for p in range(c, c + q)]
+        step = AttentionStep(16, query_lens, context_lens, tables, slots, CPU)
+        meta = backend.build_metadata(step)
+        parts = {"slots": meta.slots, "seq_lens": meta.seq_lens, "query_start": meta.query_start,
+                 "tile_seq": meta.tile_seq, "tile_row": meta.tile_row, "tables": meta.tables}
+        for name, part in parts.items():
+            assert (part.data_ptr() - meta.buffer.data_ptr()) % 16 == 0, f"{name} of {query_lens}"
+        assert meta.slots.tolist() == slots and meta.seq_lens.tolist() == step.seq_lens
+        assert meta.query_start.tolist() == step.query_start_loc
+        assert meta.tables.tolist() == step.padded_block_tables(meta.width)
+    for kernel, names in ((tk._decode_kernel, tk.STEP_VARYING), (tk._prefill_kernel, ["stride_tb"]),
+                          (tk._merge_splits_kernel, ["num_splits"])):
+        # Triton ignores a name that is not a parameter: a renamed argument would be specialised again
+        assert set(names) <= set(inspect.signature(kernel.fn).parameters), kernel.fn.__name__
+        assert set(kernel.do_not_specialize) == set(names)
+
+
 def test_padding_sequences_store_nothing():
     g = torch.Generator().manual_seed(9)
     block_size, num_blocks, width, hq, hk, dim = 16, 12, 4, 4, 2, 16

@@ -4,7 +4,9 @@ The cache of a layer is two tensors ``[num_blocks, num_kv_heads,
 block_size, head_dim]`` (keys, values). A step is laid out decodes first;
 its metadata is one int32 buffer on the device (slots, sequence lengths,
 query offsets, prefill tiles, block tables), made from the host lists in one
-copy and shared by every layer. Decode tokens go to the split-context decode
+copy and shared by every layer; each part starts on a 16-byte boundary
+(:data:`ALIGN` numbers), so no kernel is compiled again for a part that
+happens to land unaligned. Decode tokens go to the split-context decode
 kernel, the other sequences' tokens (prompts, chunks after a cached prefix)
 to the prefill kernel, which reads each block of context once per block of
 queries (:mod:`kunlun_infer_cuda.triton_kernels`).
@@ -30,6 +32,14 @@ from kunlun_infer.ops.attention_step import AttentionStep, decodes_first
 from kunlun_infer_cuda import triton_kernels as tk
 
 
+#: int32 numbers each part of the metadata buffer is padded to (16 bytes: the alignment Triton specialises on)
+ALIGN = 4
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 @dataclasses.dataclass
 class TritonMetadata:
     """One step's device buffer and the host facts the kernels' launches depend on."""
@@ -46,36 +56,48 @@ class TritonMetadata:
     def _part(self, start: int, count: int) -> torch.Tensor:
         return self.buffer[start:start + count]
 
+    def _offset(self, part: int) -> int:
+        """Where part ``part`` (slots, seq_lens, query_start, tile_seq, tile_row, tables) starts."""
+        sizes = (self.num_tokens, self.num_seqs, self.num_seqs + 1, self.num_tiles, self.num_tiles)
+        return sum(_padded(n) for n in sizes[:part])
+
     @property
     def slots(self) -> torch.Tensor:
         return self._part(0, self.num_tokens)
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        return self._part(self.num_tokens, self.num_seqs)
+        return self._part(self._offset(1), self.num_seqs)
 
     @property
     def query_start(self) -> torch.Tensor:
-        return self._part(self.num_tokens + self.num_seqs, self.num_seqs + 1)
+        return self._part(self._offset(2), self.num_seqs + 1)
 
     @property
     def tile_seq(self) -> torch.Tensor:
-        return self._part(self.num_tokens + 2 * self.num_seqs + 1, self.num_tiles)
+        return self._part(self._offset(3), self.num_tiles)
 
     @property
     def tile_row(self) -> torch.Tensor:
-        return self._part(self.num_tokens + 2 * self.num_seqs + 1 + self.num_tiles, self.num_tiles)
+        return self._part(self._offset(4), self.num_tiles)
 
     @property
     def tables(self) -> torch.Tensor:
-        start = self.num_tokens + 2 * self.num_seqs + 1 + 2 * self.num_tiles
-        return self._part(start, self.num_seqs * self.width).view(self.num_seqs, self.width)
+        return self._part(self._offset(5), self.num_seqs * self.width).view(self.num_seqs, self.width)
 
 
 def _host_buffer(step: AttentionStep, width: int, tiles: tuple[list[int], list[int]]) -> torch.Tensor:
-    """The step's metadata laid out as :class:`TritonMetadata` reads it (block tables padded with numpy)."""
-    head = np.array([*step.slot_mapping, *step.seq_lens, *step.query_start_loc, *tiles[0], *tiles[1]], dtype=np.int32)
-    return torch.from_numpy(np.concatenate((head, step.block_table_array(width).ravel())))
+    """The step's metadata laid out as :class:`TritonMetadata` reads it, each part padded to :data:`ALIGN`
+    numbers (block tables padded with numpy)."""
+    parts = (step.slot_mapping, step.seq_lens, step.query_start_loc, *tiles)
+    tables = step.block_table_array(width).ravel()
+    out = np.zeros(sum(_padded(len(p)) for p in parts) + tables.size, dtype=np.int32)
+    at = 0
+    for part in parts:
+        out[at:at + len(part)] = part
+        at += _padded(len(part))
+    out[at:] = tables
+    return torch.from_numpy(out)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -153,7 +153,12 @@ def _online_softmax(s, v, m, denom, acc, PRECISION: tl.constexpr):
 # ---------------------------------------------------------------------- decode attention
 
 
-@triton.jit
+#: arguments that change from step to step: Triton would compile a kernel again whenever one of them became 1 or
+#: a multiple of 16, in the middle of serving
+STEP_VARYING = ("stride_tb", "split_tokens", "num_splits")
+
+
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _decode_kernel(Q, KCache, VCache, Tables, SeqLens, Out, PartOut, PartLse,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_cb, stride_ch, stride_ct, stride_tb,
@@ -200,7 +205,7 @@ def _decode_kernel(Q, KCache, VCache, Tables, SeqLens, Out, PartOut, PartLse,
         tl.store(PartLse + row, lse, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(PartOut, PartLse, Out, stride_ot, stride_oh, num_heads, head_dim, num_splits,
                          SPLITS_P: tl.constexpr, D_P: tl.constexpr):
     b = tl.program_id(0)
@@ -258,7 +263,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ---------------------------------------------------------------------- prefill attention
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(Q, KCache, VCache, Tables, SeqLens, QueryStart, TileSeq, TileRow, Out,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_ch, stride_ct, stride_tb,
