@@ -8,8 +8,9 @@ import pytest
 
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.tools.bench.knee import find_knee, marginal_gains
-from kunlun_infer.tools.bench.run import percentiles
+from kunlun_infer.tools.bench.run import percentiles, run_workload, warm_up
 from kunlun_infer.tools.bench.workload import LengthRange, jsonl_workload, synthetic_workload
+from kunlun_infer.tools.tiny_model import VOCAB_SIZE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -93,6 +94,38 @@ def test_bench_measures_a_synthetic_workload(cli, tiny_model):
         assert 0 < data[key]["p50"] <= data[key]["p90"] <= data[key]["p99"]
     assert 0 < data["kv_utilization_peak"] <= 1 and data["kv_utilization_mean"] <= data["kv_utilization_peak"]
     assert data["peak_memory"] == data["weight_bytes"] + data["allocator_peak"] and data["allocator_peak"] > 0
+    assert data["warmup_s"] > 0
+    cold = cli("bench", f"model.path={tiny_model}", "model.max_model_len=256", "num_prompts=3", "input_len=8",
+               "output_len=2", "--no-progress", "--no-warmup", "--json")
+    assert cold.code == 0, cold.err
+    assert cold.json()["warmup_s"] is None and cold.json()["output_tokens"] == 6
+
+
+def test_the_warm_up_does_the_one_time_work_and_leaves_no_prefix_to_the_measured_run(tiny_model):
+    """Decode steps are captured once per batch size (the CPU plugin too): after the warm-up the measured run
+    captures nothing and finds none of its prompts cached; measured from cold, it captures them itself."""
+    from kunlun_infer.engine.engine import LLMEngine
+    from kunlun_infer.runtime import compose_config
+
+    cfg = compose_config([f"model.path={tiny_model}", "model.max_model_len=256", "scheduler.max_num_seqs=8"])
+    workload = synthetic_workload(12, LengthRange(8, 24), LengthRange(2, 9), vocab_size=VOCAB_SIZE, seed=0)
+    captures = {}
+    for warm in (True, False):
+        engine = LLMEngine(cfg)
+        try:
+            graphs = engine.runner.graphs
+            assert graphs is not None and graphs.captures == 0
+            seconds = warm_up(engine, workload) if warm else None
+            before, stats = graphs.captures, engine.stats()
+            result = run_workload(engine, workload, warmup=False)
+            captures[warm] = graphs.captures - before
+            assert engine.stats()["prefix_cache_hit_tokens"] == stats["prefix_cache_hit_tokens"]
+            assert result.output_tokens == sum(r.max_tokens for r in workload.requests)
+            if warm:
+                assert seconds > 0 and before > 0
+        finally:
+            engine.close()
+    assert captures == {True: 0, False: captures[False]} and captures[False] > 0
 
 
 def test_bench_reads_prompts_from_jsonl_and_prints_a_summary(cli, tiny_model, tmp_path):
@@ -102,6 +135,7 @@ def test_bench_reads_prompts_from_jsonl_and_prints_a_summary(cli, tiny_model, tm
                  "--no-progress", "--out", tmp_path / "out")
     assert result.code == 0, result.err
     assert "requests: 5 in" in result.out
+    assert "warm-up: 5 requests of the same lengths, untimed, in " in result.out
     assert "time to first token: p50 " in result.out and "KV cache utilization: peak" in result.out
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert saved["output_tokens"] == 20 and saved["input_tokens"] == 5 * len("question 0?")

@@ -6,6 +6,9 @@ once, greedy, EOS ignored. Prints input and output tokens/s, time to first
 token and per-token latency at p50/p90/p99, peak memory and KV utilization.
 ``--sweep`` runs the workload at each value of a config key, prints a table,
 finds the knee and writes ``<out>/bench-sweep.json`` and ``bench-sweep.png``.
+Every engine first serves an untimed warm-up of the same lengths with other
+tokens (compiles, graph captures and first allocations are not measured);
+``--no-warmup`` measures from cold.
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ def _ms(value: float | None) -> str:
 
 def _render(result: Any, workload: Any) -> list[str]:
     d = result.to_dict()
-    lines = [f"workload: {workload.description}",
+    warmup = ("none: measured from cold" if d["warmup_s"] is None else
+              f"{d['num_requests']} requests of the same lengths, untimed, in {d['warmup_s']:.2f} s")
+    lines = [f"workload: {workload.description}", f"warm-up: {warmup}",
              f"requests: {d['num_requests']} in {d['elapsed_s']:.2f} s ({d['requests_per_s']:.2f} req/s, "
              f"{d['num_steps']} steps, {d['num_preemptions']} preemptions)",
              f"throughput: {d['input_tokens_per_s']:.1f} input tokens/s, {d['output_tokens_per_s']:.1f} output "
@@ -91,11 +96,13 @@ def run(inv: Invocation) -> int:
     cfg = resolve_parallel_config(inv.config())
     workload = _workload(inv, cfg)
     progress = False if inv.flags["no-progress"] else None
+    warmup = not inv.flags["no-warmup"]
     out_dir = Path(inv.flags["out"] or ".")
     runtime = _runtime_for(inv, cfg)
     try:
         if inv.flags["sweep"] is None:
-            result = run_bench(cfg, workload, runtime=runtime, progress=progress, progress_stream=inv.stderr)
+            result = run_bench(cfg, workload, runtime=runtime, progress=progress, progress_stream=inv.stderr,
+                               warmup=warmup)
             data = {"workload": workload.description, "overrides": inv.overrides, **result.to_dict()}
             if inv.flags["out"]:
                 out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +112,7 @@ def run(inv: Invocation) -> int:
         key, values = parse_sweep(inv.flags["sweep"])
         sweep = run_sweep(inv.overrides, key, values, workload, plugin_manager=inv.plugin_manager(),
                           runtime=runtime, fraction=inv.params["knee"], progress=progress,
-                          progress_stream=inv.stderr)
+                          progress_stream=inv.stderr, warmup=warmup)
     finally:
         if runtime is not None:
             runtime.close()
@@ -147,5 +154,7 @@ COMMAND = Command(
            Flag("out", "folder for bench.json / bench-sweep.json and bench-sweep.png (default: current folder)",
                 takes_value=True),
            Flag("json", "print the results as JSON"),
+           Flag("no-warmup", "measure from a cold engine: kernel compiles, graph captures and first allocations "
+                             "count (by default an untimed warm-up of the same lengths runs first)"),
            Flag("no-progress", "no progress bars")),
 )

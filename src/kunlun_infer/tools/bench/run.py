@@ -1,7 +1,12 @@
 """One measured benchmark run: every request of a workload through one engine, offline.
 
 All requests arrive at once and the engine steps until they finish, so the
-run measures the engine at its configured batch limits. Reported: input and
+run measures the engine at its configured batch limits. First, untimed, the
+engine serves a warm-up of the same prompt and output lengths with other
+random tokens: what an engine does once (kernels compiled for the shapes it
+meets, decode steps captured for each batch size, allocator and caches
+grown) is not counted, and no measured prompt finds its prefix cached from
+it (``warmup=False`` measures from cold). Reported: input and
 output tokens per second, time to first token and per-token latency
 (the gaps between a request's consecutive tokens) at p50/p90/p99, peak
 memory (weights plus the memory plugin's peak, which includes the KV
@@ -12,6 +17,7 @@ and mean over steps).
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from typing import Any
 
@@ -58,6 +64,8 @@ class BenchResult:
     kv_utilization_mean: float
     num_steps: int
     num_preemptions: int
+    #: seconds of the untimed warm-up; ``None`` when the run was measured from cold
+    warmup_s: float | None = None
     setting: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -87,9 +95,27 @@ def _progress(total: int, enabled: bool | None, desc: str, stream: Any) -> Any:
                 leave=False)
 
 
+def warm_up(engine: Any, workload: Workload, seed: int = 0) -> float:
+    """Serve, untimed, requests of ``workload``'s prompt and output lengths made of other random token ids;
+    returns the seconds it took."""
+    rng = random.Random(f"bench warm-up {seed}")
+    params = []
+    started = time.monotonic()
+    for request in workload.requests:
+        length = (len(engine.prepare_request(request.prompt).prompt_token_ids) if isinstance(request.prompt, str)
+                  else len(request.prompt))
+        params.append(SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True))
+        engine.add_request([rng.randrange(engine.vocab_size) for _ in range(length)], params[-1])
+    while engine.has_unfinished():
+        engine.step()
+    return time.monotonic() - started
+
+
 def run_workload(engine: Any, workload: Workload, *, progress: bool | None = None, progress_stream: Any = None,
-                 desc: str = "bench") -> BenchResult:
-    """Run ``workload`` on a started engine and measure it (the engine is left open)."""
+                 desc: str = "bench", warmup: bool = True) -> BenchResult:
+    """Run ``workload`` on a started engine and measure it, after a warm-up unless ``warmup=False`` (the engine
+    is left open)."""
+    warmup_s = warm_up(engine, workload) if warmup else None
     memory = engine.runtime.memory
     memory.reset_peak()
     stats0 = engine.stats()
@@ -134,14 +160,16 @@ def run_workload(engine: Any, workload: Workload, *, progress: bool | None = Non
         kv_utilization_peak=max(utilization, default=0.0),
         kv_utilization_mean=sum(utilization) / len(utilization) if utilization else 0.0,
         num_steps=stats1["num_steps"] - stats0["num_steps"],
-        num_preemptions=stats1["num_preemptions"] - stats0["num_preemptions"])
+        num_preemptions=stats1["num_preemptions"] - stats0["num_preemptions"], warmup_s=warmup_s)
 
 
 def run_bench(cfg: DictConfig, workload: Workload, *, runtime: Runtime | None = None, progress: bool | None = None,
-              progress_stream: Any = None, desc: str = "bench") -> BenchResult:
-    """Start an engine for ``cfg`` (on ``runtime`` when given), run ``workload``, close the engine."""
+              progress_stream: Any = None, desc: str = "bench", warmup: bool = True) -> BenchResult:
+    """Start an engine for ``cfg`` (on ``runtime`` when given), run ``workload`` (after a warm-up unless
+    ``warmup=False``), close the engine."""
     engine = LLMEngine(cfg, runtime=runtime)
     try:
-        return run_workload(engine, workload, progress=progress, progress_stream=progress_stream, desc=desc)
+        return run_workload(engine, workload, progress=progress, progress_stream=progress_stream, desc=desc,
+                            warmup=warmup)
     finally:
         engine.close()

@@ -44,8 +44,9 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
 def run_sweep(overrides: Sequence[str], key: str, values: Sequence[Any], workload: Workload, *,
               plugin_manager: PluginManager | None = None, runtime: Runtime | None = None,
               fraction: float = DEFAULT_FRACTION, progress: bool | None = None,
-              progress_stream: Any = None) -> dict[str, Any]:
-    """Run ``workload`` at every value of ``key``; returns the sweep as a JSON-ready dict.
+              progress_stream: Any = None, warmup: bool = True) -> dict[str, Any]:
+    """Run ``workload`` at every value of ``key`` (each engine warmed up first unless ``warmup=False``); returns
+    the sweep as a JSON-ready dict.
 
     ``runtime`` is reused for every point when the key is not a capability
     choice and the run is single-device; otherwise each engine builds its own.
@@ -61,7 +62,7 @@ def run_sweep(overrides: Sequence[str], key: str, values: Sequence[Any], workloa
         cfg = compose_config([*overrides, f"{key}={value}"], plugin_manager=plugin_manager)
         on = runtime if reuse and int(cfg.parallel.tensor_size) == 1 else None
         result = run_bench(cfg, workload, runtime=on, progress=progress, progress_stream=progress_stream,
-                           desc=f"{key}={value}")
+                           desc=f"{key}={value}", warmup=warmup)
         result.setting = {key: value}
         results.append(result)
     outer.close()
