@@ -6,8 +6,9 @@ sequences that store nothing (:meth:`AttentionStep.padded_to`), and its
 padding rows are dropped. The built-in ``cpu`` ops run it here: a workload
 whose batch shrinks through odd sizes must give the eager run's tokens and
 logprobs, capturing only the sizes asked for; a batch above the largest size
-runs eagerly. Also: what ``padded_to`` appends and refuses, how a size is
-chosen, and the config's range check.
+runs eagerly. The sizes are captured when the engine starts, from steps of
+padding sequences that leave the cache as it was. Also: what ``padded_to``
+appends and refuses, how a size is chosen, and the config's range check.
 """
 
 import pytest
@@ -52,7 +53,8 @@ def test_padded_replays_equal_eager_steps(tiny_model, make_llm):
     graphs = llm.engine.runner.graphs
     assert graphs.batch_sizes == [2, 4, 8]  # every size met was served by one of these three
     assert graphs.refused == {} and graphs.captures == 3
-    assert graphs.replays > 20  # 30 decode steps, of which 3 captures
+    assert graphs.replays == 29  # every decode step (the longest request: 29 after its first token); the sizes
+    # were captured when the engine started
     stats = llm.engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]  # the padding held no blocks
 
@@ -67,7 +69,27 @@ def test_batches_above_the_largest_size_run_eagerly(tiny_model, make_llm):
     graphs = llm.engine.runner.graphs
     assert graphs.batch_sizes == [4] and graphs.refused == {}
     assert graphs.size_for(5) is None and graphs.size_for(6) is None
-    assert graphs.captures == 1 and graphs.replays == 6  # 7 steps of four sequences: one capture, six replays
+    assert graphs.captures == 1 and graphs.replays == 7  # 7 steps of four sequences, captured at the start
+
+
+@native
+def test_the_sizes_are_captured_when_the_engine_starts_and_store_nothing(tiny_model, make_llm):
+    llm = make_llm(tiny_model("llama"), ops__step_graph_sizes="[1,3,8]")
+    runner = llm.engine.runner
+    graphs = runner.graphs
+    assert graphs.batch_sizes == [1, 3, 8] and graphs.captures == 3 and graphs.replays == 0  # before any request
+    assert all(not t.any() for layer in runner.kv_caches for t in layer)  # the padding stored nothing
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_steps"] == 0
+    lengths, max_tokens = [4, 20, 9], [6, 3, 8]
+    want = run(make_llm(tiny_model("llama"), ops__step_graphs=0), lengths, max_tokens)
+    assert_same_results(run(llm, lengths, max_tokens), want)
+    assert graphs.captures == 3 and graphs.replays == 7  # decode batches of 3, 3, 2, 2, 2, 1, 1: all replays
+    # a new cache drops the captures; they come back as sizes are met again
+    runner.resize_kv_cache(len(runner.kv_caches[0][0]))
+    assert graphs.batch_sizes == [] and runner.capture_step_graphs() == 3 and graphs.batch_sizes == [1, 3, 8]
+    # without explicit sizes nothing is captured ahead: the CPU captures each size as it is met
+    assert make_llm(tiny_model("llama")).engine.runner.graphs.batch_sizes == []
 
 
 def test_the_size_serving_a_batch():

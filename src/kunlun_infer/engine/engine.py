@@ -196,6 +196,9 @@ class LLMEngine:
                 comm_bytes=rt.comm.buffer_bytes(), max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
             num_blocks = self.kv_budget.num_blocks
         self.runner.resize_kv_cache(num_blocks)  # on every tensor-parallel rank
+        started = time.monotonic()
+        if captured := self.runner.capture_step_graphs():
+            log.info("captured decode steps of %d batch size(s) in %.2f s", captured, time.monotonic() - started)
         if draft is not None:
             draft.allocate(num_blocks)
         self.block_manager = BlockManager(num_blocks, self.block_size, bool(cfg.cache.prefix_caching))

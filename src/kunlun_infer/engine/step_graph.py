@@ -17,7 +17,10 @@ another size runs in the capture of the next larger one, padded with
 sequences that store nothing (:meth:`AttentionStep.padded_to`; token id 0 at
 position 0), and the padding rows of the result are dropped. A GPU wants
 this (a capture per size would cost hundreds of captures); the host CPU,
-whose padding rows cost GEMM rows, captures every size as it is met.
+whose padding rows cost GEMM rows, captures every size as it is met. Those
+sizes are captured when the engine starts (:meth:`StepGraphs.capture_sizes`,
+steps of padding sequences only), so no request waits in the middle of
+serving for a capture, or for the first compile of a kernel it runs.
 
 Everything else runs eagerly, as before: steps with prompt tokens, drafts or
 a pipeline stage's input, batches larger than ``ops.step_graphs``, a batch
@@ -117,6 +120,19 @@ class StepGraphs:
             return None
         self.replays += 1
         return graph.captured.result[:batch]
+
+    def capture_sizes(self, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
+                      device: torch.device) -> int:
+        """Capture every size of ``ops.step_graph_sizes`` not captured yet, each from a step of padding
+        sequences (nothing stored); returns how many were captured (0 without explicit sizes)."""
+        before = self.captures
+        for size in self.sizes or ():
+            if size in self._graphs or size in self.refused:
+                continue
+            step = AttentionStep(block_size, [1] * size, [0] * size, [[0]] * size, [-1] * size, device)
+            zeros = torch.zeros(size, dtype=torch.int64, device=device)
+            self.forward(zeros, zeros.clone(), step, kv_caches)
+        return self.captures - before
 
     def size_for(self, batch: int) -> int | None:
         """The captured batch size that serves ``batch`` sequences (``None``: the step runs eagerly)."""
