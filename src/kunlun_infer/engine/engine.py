@@ -197,7 +197,7 @@ class LLMEngine:
             num_blocks = self.kv_budget.num_blocks
         self.runner.resize_kv_cache(num_blocks)  # on every tensor-parallel rank
         started = time.monotonic()
-        if captured := self.runner.capture_step_graphs():
+        if captured := self.runner.capture_step_graphs(max_num_seqs):
             log.info("captured decode steps of %d batch size(s) in %.2f s", captured, time.monotonic() - started)
         if draft is not None:
             draft.allocate(num_blocks)

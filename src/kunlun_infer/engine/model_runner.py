@@ -170,12 +170,13 @@ class ModelRunner:
         if num_blocks > 0:
             self._kv_caches = allocate_kv_caches(self.memory, self.layout, num_blocks)
 
-    def capture_step_graphs(self) -> int:
-        """Capture now the decode steps of every ``ops.step_graph_sizes`` batch size over the current cache
-        (:meth:`StepGraphs.capture_sizes`); returns how many were captured."""
+    def capture_step_graphs(self, max_num_seqs: int) -> int:
+        """Capture now the decode steps of the ``ops.step_graph_sizes`` batch sizes that batches of up to
+        ``max_num_seqs`` sequences run in, over the current cache (:meth:`StepGraphs.capture_sizes`); returns how
+        many were captured."""
         if self.graphs is None or not self._kv_caches:
             return 0
-        return self.graphs.capture_sizes(self._kv_caches, self.block_size, self.device)
+        return self.graphs.capture_sizes(self._kv_caches, self.block_size, self.device, max_num_seqs)
 
     def release_kv_cache(self) -> None:
         """Give this process's cache back to the memory plugin (nothing is sent to other ranks)."""

@@ -121,13 +121,15 @@ class StepGraphs:
         self.replays += 1
         return graph.captured.result[:batch]
 
-    def capture_sizes(self, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
-                      device: torch.device) -> int:
-        """Capture every size of ``ops.step_graph_sizes`` not captured yet, each from a step of padding
-        sequences (nothing stored); returns how many were captured (0 without explicit sizes)."""
+    def capture_sizes(self, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int, device: torch.device,
+                      max_num_seqs: int) -> int:
+        """Capture every size of ``ops.step_graph_sizes`` that a batch of up to ``max_num_seqs`` sequences can
+        run in and that is not captured yet, each from a step of padding sequences (nothing stored); returns how
+        many were captured (0 without explicit sizes)."""
         before = self.captures
+        largest = self.size_for(max_num_seqs) or max(self.sizes or [0])
         for size in self.sizes or ():
-            if size in self._graphs or size in self.refused:
+            if size > largest or size in self._graphs or size in self.refused:
                 continue
             step = AttentionStep(block_size, [1] * size, [0] * size, [[0]] * size, [-1] * size, device)
             zeros = torch.zeros(size, dtype=torch.int64, device=device)
