@@ -433,7 +433,8 @@ def test_without_triton_only_auto_and_torch_work(monkeypatch):
     with pytest.raises(ValueError, match="ops.fused_kernels=on needs the triton package"):
         TorchCudaOps(torch_device=CPU, fused_kernels="on")
     for device in (CPU, torch.device("cuda", 0)):
-        assert TorchCudaOps(torch_device=device).describe() == {"attention": "sdpa-gather", "norms_rotary_swiglu": "torch"}
+        assert TorchCudaOps(torch_device=device).describe() == {"attention": "sdpa-gather",
+                                                                "norms_rotary_swiglu": "torch"}
 
 
 # ---------------------------------------------------------------------- the engine

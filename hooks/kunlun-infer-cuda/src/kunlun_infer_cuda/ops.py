@@ -5,9 +5,10 @@ Where Triton imports and the tensors are on a GPU (``ops.attention`` and
 own backend (:mod:`kunlun_infer_cuda.attention`: the KV cache read in place
 through the block tables, decode split over the context), and RMS norm, the
 residual-add RMS norm, rotary embedding (queries and keys together) and
-SwiGLU run as one Triton kernel each instead of several torch kernels. :meth:`TorchCudaOps.capture` records a decode step as
-a CUDA graph (hook API 1.5), so a replay launches its few hundred kernels
-without Python; the engine captures the batch sizes of ``ops.step_graph_sizes``
+SwiGLU run as one Triton kernel each instead of several torch kernels.
+:meth:`TorchCudaOps.capture` records a decode step as a CUDA graph (hook API
+1.5), so a replay launches its few hundred kernels without Python; the
+engine captures the batch sizes of ``ops.step_graph_sizes`` when it starts
 and pads a step to the next one.
 
 The torch kernels below remain the table where Triton is absent
