@@ -95,17 +95,16 @@ def _progress(total: int, enabled: bool | None, desc: str, stream: Any) -> Any:
                 leave=False)
 
 
-def warm_up(engine: Any, workload: Workload, seed: int = 0) -> float:
-    """Serve, untimed, requests of ``workload``'s prompt and output lengths made of other random token ids;
-    returns the seconds it took."""
-    rng = random.Random(f"bench warm-up {seed}")
-    params = []
+def warm_up(engine: Any, workload: Workload) -> float:
+    """Serve, untimed, requests of ``workload``'s prompt and output lengths made of other (seeded random) token
+    ids; returns the seconds it took."""
+    rng = random.Random("bench warm-up")
     started = time.monotonic()
     for request in workload.requests:
         length = (len(engine.prepare_request(request.prompt).prompt_token_ids) if isinstance(request.prompt, str)
                   else len(request.prompt))
-        params.append(SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True))
-        engine.add_request([rng.randrange(engine.vocab_size) for _ in range(length)], params[-1])
+        engine.add_request([rng.randrange(engine.vocab_size) for _ in range(length)],
+                           SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     return time.monotonic() - started
