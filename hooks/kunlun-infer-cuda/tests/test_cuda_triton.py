@@ -502,7 +502,7 @@ def test_padded_decode_steps_replay_on_the_triton_backend(tiny_llama, monkeypatc
             graphs = llm.engine.runner.graphs
             if name == "padded":
                 assert graphs.batch_sizes == [2, 4, 8] and graphs.refused == {}
-                assert graphs.replays > 5  # of 11 decode steps, 3 were captures
+                assert graphs.replays == 11  # every decode step: the three sizes were captured at the start
     assert results["padded"] == results["eager"]
 
 
