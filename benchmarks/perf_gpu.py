@@ -12,8 +12,9 @@ Llama-3.2-1B-shaped 1.2B. Per model, in one process:
   one: the plugin as it was (SDPA over gathered K/V, torch norms, every step
   eager), then the Triton paged-attention backend, then the fused norms,
   rotary and SwiGLU, then decode steps replayed as CUDA graphs (the default). Each
-  engine serves a warm-up burst first (Triton compiles, graphs are captured
-  for every batch size) whose time is recorded apart; then the timed run;
+  engine serves a warm-up burst first (Triton compiles for what it meets;
+  the engine captured its graphs when it started) whose time is recorded
+  apart; then the timed run;
 - each variant's batch-1 decode step (median), beside the bound; with graphs,
   also the GPU time of the batch-1 capture's replay alone (the layers).
 
