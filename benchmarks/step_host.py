@@ -9,8 +9,10 @@ together (fresh prompts of 128-1024 tokens, prefill steps left out), every
 step timed, and each part of it timed alone by wrapping the engine's own
 calls: ``schedule`` (the scheduler), ``prepare`` (the step's inputs and
 attention metadata), ``compute`` (embedding, layers, head), ``sample`` and
-``apply`` (tokens recorded, stop checks, outputs). Medians in
-milliseconds; prints the CPU model and ISA::
+``apply`` (tokens recorded, stop checks, outputs). Requests report only
+when they finish, as ``LLM.generate`` asks (``--outputs every``: an output
+for every token, as a streaming server asks). Medians in milliseconds;
+prints the CPU model and ISA::
 
     python benchmarks/step_host.py --batches 1,64,256
 """
@@ -56,7 +58,7 @@ def timed(times: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> C
     return run
 
 
-def measure(folder: Path, batch: int, steps: int, overrides: list[str]) -> dict[str, float]:
+def measure(folder: Path, batch: int, steps: int, overrides: list[str], final_only: bool = True) -> dict[str, float]:
     import kunlun_infer as ki
 
     with ki.LLM(model=str(folder), overrides=[
@@ -67,7 +69,7 @@ def measure(folder: Path, batch: int, steps: int, overrides: list[str]) -> dict[
         g = torch.Generator().manual_seed(0)
         params = ki.SamplingParams(max_tokens=steps + 50, temperature=0.0, ignore_eos=True)
         for n in torch.randint(128, 1024, (batch,), generator=g).tolist():
-            engine.add_request(torch.randint(0, 1000, (n,), generator=g).tolist(), params)
+            engine.add_request(torch.randint(0, 1000, (n,), generator=g).tolist(), params, final_only=final_only)
         while engine.scheduler.waiting or any(s.num_computed_tokens < len(s) - 1 for s in engine.scheduler.running):
             engine.step()
         for _ in range(5):  # captures and first calls
@@ -89,17 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--outputs", choices=("final", "every"), default="final",
+                        help="requests report when they finish (LLM.generate) or at every token (streaming)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     facts = machine.facts()
     print(machine.describe(facts))
-    results: dict[str, Any] = {"machine": facts, "overrides": args.overrides, "milliseconds": {}}
+    results: dict[str, Any] = {"machine": facts, "overrides": args.overrides, "outputs": args.outputs,
+                               "milliseconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = tiny_model(Path(tmp))
         print(f"{'batch':>5} " + " ".join(f"{p:>9}" for p in (*PARTS, "step")))
         for batch in (int(b) for b in args.batches.split(",")):
-            figures = measure(folder, batch, args.steps, args.overrides)
+            figures = measure(folder, batch, args.steps, args.overrides, final_only=args.outputs == "final")
             results["milliseconds"][batch] = figures
             print(f"{batch:>5} " + " ".join(f"{figures[p]:>9.3f}" for p in (*PARTS, "step")), flush=True)
     if args.out:

@@ -61,7 +61,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
         requests = [self.engine.prepare_request(prompt, p) for prompt, p in zip(prompt_list, params_list)]
-        ids = [self.engine.add_request(request) for request in requests]
+        ids = [self.engine.add_request(request, final_only=True) for request in requests]
         num_samples = {request_id: p.n for request_id, p in zip(ids, params_list)}
         finals: dict[str, list[RequestOutput]] = {request_id: [] for request_id in ids}
         done: set[str] = set()

@@ -156,6 +156,42 @@ def test_streamed_text_adds_up_to_the_decoded_tokens(tiny_model, make_llm):
     assert final.prompt_token_ids == llm.tokenizer.encode("héllo wörld, 你好")
 
 
+def test_final_only_requests_end_as_streamed_ones_and_report_only_then(tiny_model, make_llm):
+    """``add_request(..., final_only=True)`` (what ``LLM.generate`` uses): no output until a sample finishes, and
+    the final outputs equal a streamed request's, stop strings within ``min_tokens`` and n > 1 included."""
+    llm = make_llm(tiny_model("llama"))
+    engine = llm.engine
+    prompt = list("def fibonacci(n):".encode())
+    free_run = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                            use_tqdm=False)[0].text
+    stop = next(free_run[i:i + 2] for i in range(1, len(free_run) - 2) if "\ufffd" not in free_run[i:i + 2])
+    cases = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]),
+             SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop], min_tokens=12, logprobs=2),
+             SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True, n=2)]
+    for params in cases:
+        streamed = engine.add_request(prompt, params)
+        final_only = engine.add_request(prompt, params, final_only=True)
+        seen: dict[str, list] = {streamed: [], final_only: []}
+        while engine.has_unfinished():
+            for out in engine.step():
+                seen[out.request_id].append(out)
+        assert all(out.finished for out in seen[final_only]) and len(seen[final_only]) == params.n
+        assert len(seen[streamed]) > 2 * params.n  # the streamed one reported as it went
+        finals = {rid: sorted((o for o in outs if o.finished), key=lambda o: o.index) for rid, outs in seen.items()}
+        for a, b in zip(finals[streamed], finals[final_only]):
+            assert (a.token_ids, a.text, a.finish_reason, a.logprobs) == (b.token_ids, b.text, b.finish_reason,
+                                                                           b.logprobs)
+            assert b.metrics.num_generated_tokens == len(b.token_ids) and b.metrics.time_to_first_token > 0
+    # an aborted final-only request still reports its end
+    request = engine.add_request(prompt, SamplingParams(max_tokens=50, ignore_eos=True), final_only=True)
+    assert engine.step() == []
+    engine.abort(request)
+    ended = [o for o in engine.step() if o.request_id == request]
+    assert len(ended) == 1 and ended[0].finish_reason == "abort"
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
 def test_eos_stops_unless_ignored(tiny_model, make_llm, hf_model, tmp_path):
     source = tiny_model("llama")
     prompt = random_prompts(1, 12, seed=9)[0]

@@ -241,11 +241,14 @@ class LLMEngine:
         return self.intake.prepare(prompt, params)
 
     def add_request(self, prompt: Prompt | PreparedRequest, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, final_only: bool = False) -> str:
         """Queue a request (text, token ids, or one from :meth:`prepare_request`); returns its id.
 
         It joins the running batch at the next step. Without ``request_id``
-        the engine names it ``req-N``.
+        the engine names it ``req-N``. With ``final_only``, :meth:`step`
+        returns its samples' outputs only as they finish, and no snapshot is
+        built for each token (what :meth:`LLM.generate` asks for: at hundreds
+        of sequences those snapshots are a large part of a step's host time).
         """
         self._check_open()
         request = self.intake.accept(prompt, params)
@@ -256,7 +259,7 @@ class LLMEngine:
                                f"request uses, got {request_id!r}", field="request_id")
         group = SampleGroup(request_id, request.prompt, list(request.prompt_token_ids), request.params,
                             self._seq_ids, eos_token_ids=self.eos_token_ids, decoder=self.tokenizer,
-                            device=self.device)
+                            device=self.device, final_only=final_only)
         if request.params.structured is not None:
             samples = [state.seq for state in group.samples]
             for sample, constraint in zip(samples, self.structured.constraints(
@@ -440,6 +443,8 @@ class LLMEngine:
         group = self._requests[sampled.seq.request_id]
         self._num_generated_tokens += 1
         output = group.add_token(sampled.seq, sampled.token_id, sampled.logprobs, now, self.scheduler)
+        if output is None:  # a final-only request's sample goes on
+            return
         if not output.finished:
             outputs.append(output)
             return

@@ -54,6 +54,13 @@ class RequestState:
             self.detokenizer.add_tokens([token_id])
         return stop_reason(self.seq, self.detokenizer)
 
+    def pass_over(self) -> None:
+        """Move past this step's text without building an output (a final-only request): the text counts as
+        handed out as in a streamed one, so stop strings are looked for in the same text either way (one
+        within ``min_tokens`` stays text)."""
+        if self.detokenizer is not None:
+            self.detokenizer.emit()
+
     def output(self, now: float) -> RequestOutput:
         """A snapshot for the user; on the final one the held-back text is released."""
         seq = self.seq

@@ -41,8 +41,10 @@ class SampleGroup:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  seq_ids: Iterator[int], *, eos_token_ids: tuple[int, ...], decoder: Decoder | None,
-                 device: torch.device) -> None:
+                 device: torch.device, final_only: bool = False) -> None:
         self.request_id = request_id
+        #: outputs only when a sample finishes (no snapshot per token)
+        self.final_only = final_only
         #: one entry per prompt token, filled as prompt chunks are computed (when asked)
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
@@ -87,8 +89,9 @@ class SampleGroup:
                 known[position] = entry
 
     def add_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None, now: float,
-                  scheduler: Scheduler) -> RequestOutput:
-        """Record a token drawn for sample ``seq``, finish it if it stops there; the sample's new output.
+                  scheduler: Scheduler) -> RequestOutput | None:
+        """Record a token drawn for sample ``seq``, finish it if it stops there; the sample's new output
+        (``None`` for a final-only request whose sample goes on).
 
         The leader's first token forks the waiting samples off it first,
         while it still holds its prompt blocks (it may stop at once).
@@ -102,6 +105,9 @@ class SampleGroup:
         if reason is not None:
             scheduler.finish(seq, reason)
             self._num_unfinished -= 1
+        elif self.final_only:
+            state.pass_over()
+            return None
         return state.output(now)
 
     def abort(self, scheduler: Scheduler, now: float, error: str | None = None) -> list[RequestOutput]:
