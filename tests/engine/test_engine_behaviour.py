@@ -161,7 +161,7 @@ def test_final_only_requests_end_as_streamed_ones_and_report_only_then(tiny_mode
     the final outputs equal a streamed request's, stop strings within ``min_tokens`` and n > 1 included."""
     llm = make_llm(tiny_model("llama"))
     engine = llm.engine
-    prompt = list("def fibonacci(n):".encode())
+    prompt = list(b"def fibonacci(n):")
     free_run = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
                             use_tqdm=False)[0].text
     stop = next(free_run[i:i + 2] for i in range(1, len(free_run) - 2) if "\ufffd" not in free_run[i:i + 2])
