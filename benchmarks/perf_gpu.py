@@ -23,6 +23,7 @@ outputs of 64-512, greedy, EOS ignored. Writes ``--out`` (JSON) as it goes::
 
     python benchmarks/perf_gpu.py --out benchmarks/results/perf_gpu_h200.json
     python benchmarks/perf_gpu.py --models qwen2-0.5b --requests 64 --variants graphs
+    python benchmarks/perf_gpu.py --models qwen2-0.5b --no-transformers --variants graphs,graphs  # twice
 
 ``--cpu-dry-run`` runs the same code path on the host CPU (``ops=cuda`` over
 CPU tensors, Triton interpreted, float32; a tiny model and a few requests):
@@ -304,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
             out_path.write_text(json.dumps(report, indent=1))
         for short in args.variants.split(","):
             label, levers, torch_ops = VARIANTS[short]
+            runs = sum(1 for known in entry["variants"] if known.split(" [run ")[0] == label)
+            if runs:  # a variant named again (``--variants graphs,graphs``: does a first engine run slower?)
+                label = f"{label} [run {runs + 1}]"
             try:
                 overrides = [*levers, *(["ops.attention=triton"] if args.cpu_dry_run and short != "sdpa" else [])]
                 result = ours(folder, model, requests, overrides, num_blocks, device, torch_ops)
