@@ -132,8 +132,8 @@ class StepGraphs:
             if size > largest or size in self._graphs or size in self.refused:
                 continue
             step = AttentionStep(block_size, [1] * size, [0] * size, [[0]] * size, [-1] * size, device)
-            zeros = torch.zeros(size, dtype=torch.int64, device=device)
-            self.forward(zeros, zeros.clone(), step, kv_caches)
+            zeros = torch.zeros(size, dtype=torch.int64, device=device)  # token ids and positions alike
+            self.forward(zeros, zeros, step, kv_caches)
         return self.captures - before
 
     def size_for(self, batch: int) -> int | None:

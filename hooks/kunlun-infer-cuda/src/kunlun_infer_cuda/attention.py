@@ -22,6 +22,7 @@ and a replay serves any later step of that batch size. Padding sequences
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,10 +57,14 @@ class TritonMetadata:
     def _part(self, start: int, count: int) -> torch.Tensor:
         return self.buffer[start:start + count]
 
-    def _offset(self, part: int) -> int:
-        """Where part ``part`` (slots, seq_lens, query_start, tile_seq, tile_row, tables) starts."""
-        sizes = (self.num_tokens, self.num_seqs, self.num_seqs + 1, self.num_tiles, self.num_tiles)
-        return sum(_padded(n) for n in sizes[:part])
+    @functools.cached_property
+    def _offsets(self) -> list[int]:
+        """Where each part (slots, seq_lens, query_start, tile_seq, tile_row, tables) starts: worked out once,
+        since every layer reads the parts."""
+        starts = [0]
+        for n in (self.num_tokens, self.num_seqs, self.num_seqs + 1, self.num_tiles, self.num_tiles):
+            starts.append(starts[-1] + _padded(n))
+        return starts
 
     @property
     def slots(self) -> torch.Tensor:
@@ -67,23 +72,23 @@ class TritonMetadata:
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        return self._part(self._offset(1), self.num_seqs)
+        return self._part(self._offsets[1], self.num_seqs)
 
     @property
     def query_start(self) -> torch.Tensor:
-        return self._part(self._offset(2), self.num_seqs + 1)
+        return self._part(self._offsets[2], self.num_seqs + 1)
 
     @property
     def tile_seq(self) -> torch.Tensor:
-        return self._part(self._offset(3), self.num_tiles)
+        return self._part(self._offsets[3], self.num_tiles)
 
     @property
     def tile_row(self) -> torch.Tensor:
-        return self._part(self._offset(4), self.num_tiles)
+        return self._part(self._offsets[4], self.num_tiles)
 
     @property
     def tables(self) -> torch.Tensor:
-        return self._part(self._offset(5), self.num_seqs * self.width).view(self.num_seqs, self.width)
+        return self._part(self._offsets[5], self.num_seqs * self.width).view(self.num_seqs, self.width)
 
 
 def _host_buffer(step: AttentionStep, width: int, tiles: tuple[list[int], list[int]]) -> torch.Tensor:
