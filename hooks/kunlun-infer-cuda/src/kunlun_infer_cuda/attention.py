@@ -153,7 +153,7 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: tuple[torch.Tensor, ...], metadata: TritonMetadata, *, scale: float) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        query = query if query.stride(-1) == 1 else query.contiguous()
+        query = tk.unit_stride(query)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         decodes = metadata.num_decodes
         if decodes:

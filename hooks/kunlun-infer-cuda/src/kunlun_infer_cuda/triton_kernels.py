@@ -77,6 +77,11 @@ def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last axis is contiguous (the kernels' one requirement on strides), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input precision: exact float32 for float32 operands (tf32 would change results)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -112,8 +117,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     tokens, heads, dim = key.shape
     if tokens == 0:
         return
-    key = key if key.stride(-1) == 1 else key.contiguous()
-    value = value if value.stride(-1) == 1 else value.contiguous()
+    key, value = unit_stride(key), unit_stride(value)
     launch(_store_kv_kernel, (tokens,), key, value, k_cache, v_cache, slots,
            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, dim,
@@ -354,8 +358,7 @@ def _rms_norm_kernel(X, Residual, Weight, Out, Summed, stride_x, stride_r, strid
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    return flat if flat.stride(-1) == 1 else flat.contiguous()
+    return unit_stride(x.reshape(-1, x.shape[-1]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -430,9 +433,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if tokens:
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        k = k if k.stride(-1) == 1 else k.contiguous()
-        table = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+        q, k, table = unit_stride(q), unit_stride(k), unit_stride(cos_sin_cache)
         launch(_rotary_kernel, (tokens,), positions, q, k, table, q_out, k_out,
                q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
                k_out.stride(0), k_out.stride(1), table.stride(0), table.stride(1), q_heads, k.shape[1], dim // 2,
