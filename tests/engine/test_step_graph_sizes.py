@@ -85,7 +85,7 @@ def test_the_sizes_are_captured_when_the_engine_starts_and_store_nothing(tiny_mo
     want = run(make_llm(tiny_model("llama"), ops__step_graphs=0), lengths, max_tokens)
     assert_same_results(run(llm, lengths, max_tokens), want)
     assert graphs.captures == 3 and graphs.replays == 7  # decode batches of 3, 3, 2, 2, 2, 1, 1: all replays
-    # a new cache drops the captures; they come back as sizes are met again
+    # a new cache drops the captures; capture_step_graphs takes them again
     runner.resize_kv_cache(len(runner.kv_caches[0][0]))
     assert graphs.batch_sizes == [] and runner.capture_step_graphs(8) == 3 and graphs.batch_sizes == [1, 3, 8]
     # only the sizes a batch of scheduler.max_num_seqs sequences can run in: 4 sequences run in the capture of 8

@@ -29,6 +29,8 @@ kernel tests run compiled on it too, in bfloat16 as well:
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -349,8 +351,6 @@ def test_metadata_parts_start_on_16_byte_boundaries_and_step_varying_arguments_a
     """Triton compiles a kernel once per alignment of its pointers and per class (1, multiple of 16, other) of its
     integers: a part of the metadata buffer landing unaligned, or a table width reaching 16, would compile it
     again in the middle of serving."""
-    import inspect
-
     backend = TritonAttentionBackend(AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32))
     for query_lens, context_lens in (([1], [5]), ([1, 1, 1], [3, 20, 7]), ([1, 3, 70], [9, 0, 17]),
                                      ([2, 5, 1, 1, 9], [0, 0, 0, 0, 0])):
