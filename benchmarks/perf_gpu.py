@@ -16,7 +16,16 @@ Llama-3.2-1B-shaped 1.2B. Per model, in one process:
   the engine captured its graphs when it started) whose time is recorded
   apart; then the timed run;
 - each variant's batch-1 decode step (median), beside the bound; with graphs,
-  also the GPU time of the batch-1 capture's replay alone (the layers).
+  also the GPU time of the batch-1 capture's replay alone (the layers);
+- each engine's start: seconds (loading, the KV cache, the start-up
+  captures), GPU memory it holds once started and at its peak;
+- ``--profile`` variants: a batch-1 decode step under torch's profiler (the
+  ops with the most host and device time, and how busy the device was).
+
+The variants besides the levers take one out of the default: rotary by torch's
+kernels (``graphs-torch-rotary``), an output at every token as a streaming
+server asks instead of ``LLM.generate``'s outputs at the end
+(``graphs-every-output``).
 
 Requests: ``--requests`` (256) token-id prompts of 128-1024 tokens and
 outputs of 64-512, greedy, EOS ignored. Writes ``--out`` (JSON) as it goes::
@@ -24,6 +33,7 @@ outputs of 64-512, greedy, EOS ignored. Writes ``--out`` (JSON) as it goes::
     python benchmarks/perf_gpu.py --out benchmarks/results/perf_gpu_h200.json
     python benchmarks/perf_gpu.py --models qwen2-0.5b --requests 64 --variants graphs
     python benchmarks/perf_gpu.py --models qwen2-0.5b --no-transformers --variants graphs,graphs  # twice
+    python benchmarks/perf_gpu.py --no-transformers --variants fused,graphs,graphs-every-output --profile graphs
 
 ``--cpu-dry-run`` runs the same code path on the host CPU (``ops=cuda`` over
 CPU tensors, Triton interpreted, float32; a tiny model and a few requests):
@@ -84,18 +94,31 @@ MODELS = {"qwen2-0.5b": GpuModel("qwen2", perf_cpu.SHAPES["0.5b"]),
           "tiny": GpuModel("llama", perf_cpu.Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256,
                                                    vocab=1000))}
 
-#: the levers, switched on one at a time (each variant keeps the ones before it): ``--variants`` name -> the
-#: label the report uses, the engine's overrides, and fused ops left to the torch kernels (one lever taken out of
-#: the default, by the plugin's ``FUSED_OPS`` while that engine is built: no config key exists for it)
-VARIANTS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
-    "sdpa": ("plugin before (sdpa gather, torch norms, eager)",
-             ["ops.attention=sdpa", "ops.fused_kernels=off", "ops.step_graphs=0"], ()),
-    "triton": ("+ triton paged attention", ["ops.attention=triton", "ops.fused_kernels=off", "ops.step_graphs=0"],
-               ()),
-    "fused": ("+ fused norms, rotary and swiglu",
-              ["ops.attention=triton", "ops.fused_kernels=on", "ops.step_graphs=0"], ()),
-    "graphs": ("+ cuda graphs (default)", [], ()),
-    "graphs-torch-rotary": ("default, but rotary by torch's kernels", [], ("rotary_embedding",)),
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One engine of the comparison: the label the report uses, the engine's overrides, fused ops left to the
+    torch kernels (one lever taken out of the default, by the plugin's ``FUSED_OPS`` while that engine is built:
+    no config key exists for it), and whether requests report only when they finish (``LLM.generate``) or at
+    every token (as a streaming server asks)."""
+
+    label: str
+    overrides: tuple[str, ...] = ()
+    torch_ops: tuple[str, ...] = ()
+    final_only: bool = True
+
+
+#: the levers, switched on one at a time (each variant keeps the ones before it), and the default with one taken
+#: out: ``--variants`` name -> :class:`Variant`
+VARIANTS: dict[str, Variant] = {
+    "sdpa": Variant("plugin before (sdpa gather, torch norms, eager)",
+                    ("ops.attention=sdpa", "ops.fused_kernels=off", "ops.step_graphs=0")),
+    "triton": Variant("+ triton paged attention",
+                      ("ops.attention=triton", "ops.fused_kernels=off", "ops.step_graphs=0")),
+    "fused": Variant("+ fused norms, rotary and swiglu",
+                     ("ops.attention=triton", "ops.fused_kernels=on", "ops.step_graphs=0")),
+    "graphs": Variant("+ cuda graphs (default)"),
+    "graphs-torch-rotary": Variant("default, but rotary by torch's kernels", torch_ops=("rotary_embedding",)),
+    "graphs-every-output": Variant("default, but an output at every token", final_only=False),
 }
 
 
@@ -199,42 +222,152 @@ def replay_ms(captured: Any, device: torch.device, repeats: int = 50) -> float:
     return statistics.median(times)
 
 
-def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, overrides: list[str], num_blocks: int,
-         device: torch.device, torch_ops: tuple[str, ...] = ()) -> dict[str, Any]:
+def serve(llm: Any, prompts: list[list[int]], params: list[Any], final_only: bool) -> list[list[int]]:
+    """Each request's output tokens: through ``LLM.generate`` (outputs when requests finish), or through the
+    engine's loop with an output at every token, as a streaming server asks for them."""
+    if final_only:
+        return [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.engine
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+    return [finished[request_id] for request_id in ids]
+
+
+def gib(nbytes: int) -> float:
+    return round(nbytes / 2**30, 3)
+
+
+def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, variant: Variant, overrides: list[str],
+         num_blocks: int, device: torch.device, profile_steps: int = 0) -> dict[str, Any]:
     import kunlun_infer as ki
     from kunlun_infer_cuda import ops as cuda_ops
 
     max_seqs = len(requests.prompts)
-    out: dict[str, Any] = {"overrides": overrides, **({"torch_ops": list(torch_ops)} if torch_ops else {})}
+    out: dict[str, Any] = {"overrides": overrides, **({"torch_ops": list(variant.torch_ops)}
+                                                      if variant.torch_ops else {}),
+                           "outputs": "final" if variant.final_only else "every"}
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     fused = cuda_ops.FUSED_OPS
-    cuda_ops.FUSED_OPS = tuple(op for op in fused if op not in torch_ops)
+    cuda_ops.FUSED_OPS = tuple(op for op in fused if op not in variant.torch_ops)
+    start = time.perf_counter()
     try:
         llm = ki.LLM(model=str(folder), overrides=[*engine_overrides(num_blocks, max_seqs, device), *overrides])
     finally:
         cuda_ops.FUSED_OPS = fused
+    out["start_seconds"] = time.perf_counter() - start  # loading, the KV cache, the start-up captures
     with llm:
+        graphs = getattr(llm.engine.runner, "graphs", None)
+        if graphs is not None:
+            out["captured_at_start"] = list(graphs.batch_sizes)
+        if on_gpu:  # what the engine holds once started: weights, KV cache, the captures' pool
+            out["memory_after_start_gib"] = {"allocated": gib(torch.cuda.memory_allocated(device) - before),
+                                             "reserved": gib(torch.cuda.memory_reserved(device))}
         describe = getattr(unwrap(llm.engine.runtime.ops), "describe", None)
         out["kernels"] = describe() if callable(describe) else None
         prompts, lens = warmup_requests(model.vocab, max_seqs)
         start = time.perf_counter()
-        llm.generate(prompts, [ki.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens],
-                     use_tqdm=False)
+        serve(llm, prompts, [ki.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens],
+              variant.final_only)
         out["warmup_seconds"] = time.perf_counter() - start
         params = [ki.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in requests.output_lens]
         start = time.perf_counter()
-        outputs = llm.generate(requests.prompts, params, use_tqdm=False)
+        outputs = serve(llm, requests.prompts, params, variant.final_only)
         out["seconds"] = time.perf_counter() - start
-        assert [len(o.token_ids) for o in outputs] == requests.output_lens
+        assert [len(o) for o in outputs] == requests.output_lens
         out["tokens_per_s"] = requests.useful_tokens / out["seconds"]
         out["batch1_ms"] = 1e3 * perf_cpu.decode_steps(llm, 1, 64, 129, model.vocab, seed=5)
-        graphs = getattr(llm.engine.runner, "graphs", None)
         if graphs is not None:
             out["graphs"] = {"captured_sizes": graphs.batch_sizes, "replays": graphs.replays,
                              "refused": {str(k): v for k, v in graphs.refused.items()}}
-            if 1 in graphs.batch_sizes and device.type == "cuda":
+            if 1 in graphs.batch_sizes and on_gpu:
                 out["batch1_replay_ms"] = replay_ms(graphs.captured_step(1), device)
+        if profile_steps:
+            out["batch1_profile"] = profile_batch1(llm, model.vocab, profile_steps, device)
+        if on_gpu:
+            out["memory_peak_gib"] = gib(torch.cuda.max_memory_allocated(device) - before)
     torch.cuda.empty_cache()
     return out
+
+
+#: the engine's calls a step is made of (``step_host.py``'s parts) -> the method's name
+PART_METHODS = {"schedule": "schedule", "prepare": "prepare", "compute": "compute", "sample": "sample",
+                "apply": "_apply"}
+
+
+def labelled(name: str, fn: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+    return run
+
+
+def profile_batch1(llm: Any, vocab: int, steps: int, device: torch.device, rows: int = 25) -> dict[str, Any]:
+    """Where a batch-1 decode step's time goes: ``steps`` steps of one fresh sequence (its prefill left out)
+    under torch's profiler, host and device; the ops with the most host time and the most device time (per
+    step), and the share of the steps' wall time the device was busy."""
+    import kunlun_infer as ki
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    prompt = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine.add_request(prompt, ki.SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # the prefill and a few decode steps first
+        engine.step()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+    # the step's parts as step_host.py names them, each a labelled range of the profile
+    owners = {"schedule": engine.scheduler, "prepare": engine.runner, "compute": engine.runner,
+              "sample": engine.runner, "apply": engine}
+    for part, owner in owners.items():
+        setattr(owner, PART_METHODS[part], labelled(f"step.{part}", getattr(owner, PART_METHODS[part])))
+    try:
+        with profile(activities=activities) as prof:
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            sync(device)
+            wall = time.perf_counter() - start
+    finally:
+        for part, owner in owners.items():
+            delattr(owner, PART_METHODS[part])  # the instance attribute: the class's method shows again
+    while engine.has_unfinished():
+        engine.step()
+    averages = prof.key_averages()
+    parts = {e.key.removeprefix("step."): round(e.cpu_time_total / steps, 1) for e in averages
+             if e.key.startswith("step.")}
+
+    def device_us(event: Any) -> float:
+        return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+
+    def row(event: Any) -> dict[str, Any]:
+        return {"name": event.key[:90], "calls_per_step": round(event.count / steps, 2),
+                "host_us_per_step": round(event.self_cpu_time_total / steps, 1),
+                "device_us_per_step": round(device_us(event) / steps, 1)}
+
+    busy_us = sum(device_us(e) for e in averages)
+    return {"steps": steps, "step_ms": 1e3 * wall / steps, "device_busy_ms_per_step": busy_us / steps / 1e3,
+            "host_us_per_step_by_part": parts,
+            "by_host_time": [row(e) for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:rows]],
+            "by_device_time": [row(e) for e in sorted(averages, key=device_us, reverse=True)[:rows]
+                               if device_us(e) > 0]}
+
+
+def print_profile(profile: dict[str, Any]) -> None:
+    print(f"  profiled batch-1 step {profile['step_ms']:.3f} ms, device busy {profile['device_busy_ms_per_step']:.3f} "
+          f"ms; host us per step by part {profile['host_us_per_step_by_part']}; per step, host us / device us / "
+          "calls:")
+    for title in ("by_host_time", "by_device_time"):
+        print(f"  {title}:")
+        for r in profile[title][:15]:
+            print(f"    {r['host_us_per_step']:8.1f} {r['device_us_per_step']:8.1f} {r['calls_per_step']:6.2f}  "
+                  f"{r['name']}")
 
 
 def machine(device: torch.device) -> dict[str, Any]:
@@ -269,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outputs", default="64,512", help="output length range")
     parser.add_argument("--variants", default="sdpa,triton,fused,graphs")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--profile", default="", help="variants whose batch-1 decode steps are also profiled")
+    parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--folder", default="/tmp/kunlun-gpu-models")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--seed", type=int, default=0)
@@ -304,13 +439,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"batch-1 {entry['transformers']['batch1_ms']:.2f} ms", flush=True)
             out_path.write_text(json.dumps(report, indent=1))
         for short in args.variants.split(","):
-            label, levers, torch_ops = VARIANTS[short]
+            variant = VARIANTS[short]
+            label = variant.label
             runs = sum(1 for known in entry["variants"] if known.split(" [run ")[0] == label)
             if runs:  # a variant named again (``--variants graphs,graphs``: does a first engine run slower?)
                 label = f"{label} [run {runs + 1}]"
             try:
-                overrides = [*levers, *(["ops.attention=triton"] if args.cpu_dry_run and short != "sdpa" else [])]
-                result = ours(folder, model, requests, overrides, num_blocks, device, torch_ops)
+                overrides = [*variant.overrides,
+                             *(["ops.attention=triton"] if args.cpu_dry_run and short != "sdpa" else [])]
+                result = ours(folder, model, requests, variant, overrides, num_blocks, device,
+                              args.profile_steps if short in args.profile.split(",") else 0)
             except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             entry["variants"][label] = result
@@ -321,8 +459,13 @@ def main(argv: list[str] | None = None) -> int:
             theirs = entry.get("transformers", {}).get("tokens_per_s")
             vs = f" ({result['tokens_per_s'] / theirs:.2f}x transformers)" if theirs else ""
             replay = f", layers' replay {result['batch1_replay_ms']:.3f} ms" if "batch1_replay_ms" in result else ""
-            print(f"{name}: {label}: {result['tokens_per_s']:.0f} tok/s{vs}, warm-up {result['warmup_seconds']:.1f} s, "
-                  f"batch-1 {result['batch1_ms']:.2f} ms{replay} (bound {entry['batch1_bound_ms']:.3f})", flush=True)
+            memory = result.get("memory_after_start_gib", {})
+            print(f"{name}: {label}: {result['tokens_per_s']:.0f} tok/s{vs}, start {result['start_seconds']:.1f} s "
+                  f"({memory.get('allocated', '-')} GiB, captured {result.get('captured_at_start', '-')}), "
+                  f"warm-up {result['warmup_seconds']:.1f} s, batch-1 {result['batch1_ms']:.2f} ms{replay} "
+                  f"(bound {entry['batch1_bound_ms']:.3f})", flush=True)
+            if "batch1_profile" in result:
+                print_profile(result["batch1_profile"])
     out_path.write_text(json.dumps(report, indent=1))
     return 0
 
