@@ -312,8 +312,9 @@ def profile_batch1(llm: Any, vocab: int, steps: int, device: torch.device, rows:
     """Where a batch-1 decode step's time goes: ``steps`` steps of one fresh sequence (its prefill left out)
     under torch's profiler, host and device; the ops with the most host time and the most device time (per
     step), and the share of the steps' wall time the device was busy."""
-    import kunlun_infer as ki
     from torch.profiler import ProfilerActivity, profile
+
+    import kunlun_infer as ki
 
     engine = llm.engine
     prompt = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(7)).tolist()
