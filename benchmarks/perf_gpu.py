@@ -25,7 +25,8 @@ Llama-3.2-1B-shaped 1.2B. Per model, in one process:
 The variants besides the levers take one out of the default: rotary by torch's
 kernels (``graphs-torch-rotary``), an output at every token as a streaming
 server asks instead of ``LLM.generate``'s outputs at the end
-(``graphs-every-output``).
+(``graphs-every-output``), decode steps run one after the other instead of
+launched behind the step in flight (``graphs-sync``).
 
 Requests: ``--requests`` (256) token-id prompts of 128-1024 tokens and
 outputs of 64-512, greedy, EOS ignored. Writes ``--out`` (JSON) as it goes::
@@ -119,6 +120,7 @@ VARIANTS: dict[str, Variant] = {
     "graphs": Variant("+ cuda graphs (default)"),
     "graphs-torch-rotary": Variant("default, but rotary by torch's kernels", torch_ops=("rotary_embedding",)),
     "graphs-every-output": Variant("default, but an output at every token", final_only=False),
+    "graphs-sync": Variant("default, but steps not overlapped", ("scheduler.overlap_steps=off",)),
 }
 
 
@@ -296,9 +298,10 @@ def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, variant: Va
     return out
 
 
-#: the engine's calls a step is made of (``step_host.py``'s parts) -> the method's name
+#: the engine's calls a step is made of (``step_host.py``'s parts, and an overlapped step's ``launch``: prepare,
+#: compute and draw; ``land``: wait for the tokens and record them) -> the method's name
 PART_METHODS = {"schedule": "schedule", "prepare": "prepare", "compute": "compute", "sample": "sample",
-                "apply": "_apply"}
+                "apply": "_apply", "launch": "launch", "land": "_land"}
 
 
 def labelled(name: str, fn: Any) -> Any:
@@ -312,6 +315,7 @@ def profile_batch1(llm: Any, vocab: int, steps: int, device: torch.device, rows:
     """Where a batch-1 decode step's time goes: ``steps`` steps of one fresh sequence (its prefill left out)
     under torch's profiler, host and device; the ops with the most host time and the most device time (per
     step), and the share of the steps' wall time the device was busy."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     import kunlun_infer as ki
@@ -324,7 +328,7 @@ def profile_batch1(llm: Any, vocab: int, steps: int, device: torch.device, rows:
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
     # the step's parts as step_host.py names them, each a labelled range of the profile
     owners = {"schedule": engine.scheduler, "prepare": engine.runner, "compute": engine.runner,
-              "sample": engine.runner, "apply": engine}
+              "sample": engine.runner, "apply": engine, "launch": engine.runner, "land": engine}
     for part, owner in owners.items():
         setattr(owner, PART_METHODS[part], labelled(f"step.{part}", getattr(owner, PART_METHODS[part])))
     try:
@@ -341,8 +345,10 @@ def profile_batch1(llm: Any, vocab: int, steps: int, device: torch.device, rows:
     while engine.has_unfinished():
         engine.step()
     averages = prof.key_averages()
-    parts = {e.key.removeprefix("step."): round(e.cpu_time_total / steps, 1) for e in averages
-             if e.key.startswith("step.")}
+    parts: dict[str, float] = {}
+    for e in averages:  # (each labelled range is also listed as a device annotation, without host time)
+        if e.key.startswith("step.") and e.cpu_time_total:
+            parts[e.key.removeprefix("step.")] = round(e.cpu_time_total / steps, 1)
 
     def device_us(event: Any) -> float:
         return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
@@ -352,7 +358,9 @@ def profile_batch1(llm: Any, vocab: int, steps: int, device: torch.device, rows:
                 "host_us_per_step": round(event.self_cpu_time_total / steps, 1),
                 "device_us_per_step": round(device_us(event) / steps, 1)}
 
-    busy_us = sum(device_us(e) for e in averages)
+    # the device's own activities (kernels, copies), not the ops or labelled ranges that also carry their time
+    busy_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                  if e.device_type == DeviceType.CUDA and not e.name.startswith("step."))
     return {"steps": steps, "step_ms": 1e3 * wall / steps, "device_busy_ms_per_step": busy_us / steps / 1e3,
             "host_us_per_step_by_part": parts,
             "by_host_time": [row(e) for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:rows]],

@@ -411,6 +411,14 @@ class Streams(abc.ABC):
         """True when the comm stream is distinct and can overlap compute."""
         return self.comm_stream() is not self.compute_stream()
 
+    @property
+    def asynchronous(self) -> bool:
+        """True when kernels called on the compute stream run after the call returns (a GPU's queue), so the
+        host can prepare the next step while the device runs this one (hook API 1.7; the engine then overlaps
+        decode steps, ``scheduler.overlap_steps=auto``). False, the default: every kernel has run when it
+        returns, as on a host CPU."""
+        return False
+
     def synchronize(self) -> None:
         """Wait for every stream of this provider."""
         self.compute_stream().synchronize()

@@ -27,6 +27,8 @@ from kunlun_infer.errors import ConfigError
 COMM_TIMEOUT_S: float = 120.0
 #: what the engine does after a failed step (``scheduler.on_step_error``)
 ON_STEP_ERROR: tuple[str, ...] = ("recover", "shutdown")
+#: ``scheduler.overlap_steps`` values
+OVERLAP_STEPS: tuple[str, ...] = ("auto", "on", "off")
 #: how drafts are proposed (``speculative.method``)
 SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
 
@@ -133,6 +135,9 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     #: after a failed step (its requests end with an error): ``recover`` serves on, ``shutdown`` closes the engine
     on_step_error: str = ranged("recover", " or ".join(ON_STEP_ERROR), lambda v: v in ON_STEP_ERROR)
+    #: launch a decode step while the one before still runs on the device (``engine/overlap.py``): ``auto`` where
+    #: the streams plugin runs kernels asynchronously (``Streams.asynchronous``), ``on``, or ``off``
+    overlap_steps: str = ranged("auto", " or ".join(OVERLAP_STEPS), lambda v: v in OVERLAP_STEPS)
 
 
 @dataclasses.dataclass

@@ -163,11 +163,12 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes[:num_full])
         child.num_computed_tokens = num_full * self.block_size
 
-    def commit(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` that became full of computed tokens in the prefix cache."""
+    def commit(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register the blocks of ``seq`` that became full of computed tokens in the prefix cache (of its first
+        ``num_tokens`` tokens only, when given: those known on the host while a later step is in flight)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
         for i in range(len(seq.block_hashes), num_full):
             block_tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])

@@ -43,8 +43,9 @@ from kunlun_infer.engine.block_manager import BlockManager
 from kunlun_infer.engine.failures import describe_failure
 from kunlun_infer.engine.intake import PreparedRequest, Prompt, RequestIntake
 from kunlun_infer.engine.kv_cache import KVBudget, size_kv_cache
-from kunlun_infer.engine.model_runner import ModelRunner, SampledToken
+from kunlun_infer.engine.model_runner import LaunchedStep, ModelRunner, SampledToken
 from kunlun_infer.engine.outputs import RequestOutput
+from kunlun_infer.engine.overlap import PLACEHOLDER, drop_placeholders, is_plain_decode, launchable, overlap_enabled
 from kunlun_infer.engine.parallel.driver import TensorParallelGroup
 from kunlun_infer.engine.parallel.pipeline_driver import PipelineGroup
 from kunlun_infer.engine.parallel.stages import Grid
@@ -209,6 +210,16 @@ class LLMEngine:
         self.pipeline_batches = int(cfg.parallel.pipeline_batches) if self.grid is not None else 1
         #: each batch in flight takes its share of the running sequences, so that there is one for each
         self._batch_seqs = -(-max_num_seqs // self.pipeline_batches)
+        overlap = str(setting(cfg, "scheduler.overlap_steps"))
+        if overlap == "on" and (self.parallel is not None or proposer is not None):
+            raise ConfigError("scheduler.overlap_steps=on needs one rank without speculative decoding (parallel "
+                              "sizes 1, speculative.method unset); set it to auto or off")
+        #: decode steps launched before the one in flight comes back (``engine/overlap.py``)
+        self.overlap = (self.parallel is None and proposer is None
+                        and overlap_enabled(overlap, bool(rt.streams.asynchronous)))
+        self._record_event = rt.streams.compute_stream().record_event
+        #: the decode step in flight (overlapped steps only)
+        self._launched: LaunchedStep | None = None
         self.speculator = None if proposer is None else Speculator(
             proposer, num_tokens=int(cfg.speculative.num_tokens), max_model_len=self.max_model_len,
             block_manager=self.block_manager)
@@ -289,6 +300,8 @@ class LLMEngine:
         group = self._requests.pop(request_id, None)
         if group is None:
             return []
+        for state in group.samples:
+            drop_placeholders(state.seq)  # tokens of a step in flight are not the request's
         ended = group.abort(self.scheduler, time.monotonic(), error)
         if self.speculator is not None:
             for state in group.samples:
@@ -310,7 +323,12 @@ class LLMEngine:
         started = time.monotonic()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         try:
-            batch = self._pipelined_step(started, outputs) if self.grid is not None else self._step(started, outputs)
+            if self.grid is not None:
+                batch = self._pipelined_step(started, outputs)
+            elif self.overlap:
+                batch = self._overlapped_step(started, outputs)
+            else:
+                batch = self._step(started, outputs)
         except BaseException as exc:
             # what this step was to return is not lost: it comes with the next step, or with the error
             if isinstance(exc, EngineStepError) and exc.shut_down:
@@ -337,6 +355,94 @@ class LLMEngine:
         if batch.seqs:
             self._run(batch, started, outputs)
         return batch
+
+    def _overlapped_step(self, started: float, outputs: list[RequestOutput]) -> ScheduledBatch:
+        """Launch the next decode step behind the one in flight, then record the one in flight; or, when the
+        next step cannot be launched so, record the one in flight and schedule as :meth:`_step` does (launching
+        a plain decode step rather than running it)."""
+        launched = self._launched
+        if launched is not None:
+            queued = self._next_decodes(launched)
+            if queued is not None:
+                self._co_samples(queued, started)  # (none: a plain decode; marks the requests scheduled)
+                self._launch(queued, launched)
+                self._land(launched, outputs, queued)
+                return queued
+            self._launched = None
+            self._land(launched, outputs)
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return batch
+        co_samples = self._co_samples(batch, started)
+        if not co_samples and is_plain_decode(batch) and all(launchable(seq) for seq in batch.seqs):
+            self._launch(batch)
+        else:
+            self._run(batch, started, outputs, co_samples)
+        return batch
+
+    def _next_decodes(self, launched: LaunchedStep) -> ScheduledBatch | None:
+        """The decode step to launch behind ``launched``: its sequences that go on past it for sure (all but
+        those it takes to ``max_tokens``), one token each; ``None`` when the engine must take ``launched`` back
+        first (a request waits for a free slot, a running sequence is not in it, the KV blocks run short)."""
+        scheduler = self.scheduler
+        if scheduler.can_admit():
+            return None
+        ids = {seq.seq_id for seq in launched.batch.seqs}
+        if any(seq.seq_id not in ids for seq in scheduler.running):
+            return None
+        seqs = [seq for seq in launched.batch.seqs
+                if not seq.is_finished and seq.num_generated_tokens < seq.params.max_tokens]
+        if not seqs or len(seqs) > scheduler.max_num_batched_tokens:
+            return None
+        return scheduler.schedule_decodes(seqs)
+
+    def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> None:
+        """Queue ``batch`` on the device (its inputs from ``previous``'s tokens there) and hold a placeholder for
+        each sequence's token; a failure ends the requests of both steps."""
+        try:
+            launched = self.runner.launch(batch, self._record_event, previous)
+        except Exception as exc:
+            self._launched = None
+            raise self._step_failed(self._merged(batch, previous), exc) from exc
+        self.scheduler.advance(batch)
+        for seq in batch.seqs:
+            launched.token_at[seq.seq_id] = len(seq.token_ids)
+            seq.token_ids.append(PLACEHOLDER)
+        self._launched = launched
+
+    def _land(self, launched: LaunchedStep, outputs: list[RequestOutput], queued: ScheduledBatch | None = None) -> None:
+        """Wait for a launched step's tokens (``queued``, launched after it, runs on) and record them in place of
+        their placeholders, as :meth:`_apply` records a step's; a failure ends the requests of both steps."""
+        try:
+            result = self.runner.finish(launched)
+            now = time.monotonic()
+            self._num_computed_tokens += launched.batch.num_tokens
+            for sampled in result.sampled:
+                seq = sampled.seq
+                if seq.is_finished:
+                    continue  # aborted while in flight
+                at = launched.token_at[seq.seq_id]
+                self.block_manager.commit(seq, at)  # the blocks its known tokens filled, as a step's update does
+                later = seq.token_ids[at + 1:]  # the placeholder of the step queued behind, if any
+                del seq.token_ids[at:]
+                self._record(sampled, now, outputs)
+                if not seq.is_finished:
+                    seq.token_ids += later
+        except Exception as exc:
+            self._launched = None
+            error = self._step_failed(self._merged(launched.batch, queued), exc)
+            if isinstance(exc, WorkerError) and not error.shut_down:
+                raise
+            raise error from exc
+
+    @staticmethod
+    def _merged(batch: ScheduledBatch, other: ScheduledBatch | LaunchedStep | None) -> ScheduledBatch:
+        """One batch of the sequences of ``batch`` and ``other`` (two steps failing together)."""
+        if isinstance(other, LaunchedStep):
+            other = other.batch
+        if other is None:
+            return batch
+        return ScheduledBatch([*batch.seqs, *other.seqs], [*batch.num_new_tokens, *other.num_new_tokens])
 
     def _pipelined_step(self, started: float, outputs: list[RequestOutput]) -> ScheduledBatch:
         """Send a new batch down the pipeline if one can be formed; take back the oldest when enough are out.
@@ -392,8 +498,10 @@ class LLMEngine:
                 co_samples[seq.seq_id] = drawing
         return co_samples
 
-    def _run(self, batch: ScheduledBatch, started: float, outputs: list[RequestOutput]) -> None:
-        co_samples = self._co_samples(batch, started)
+    def _run(self, batch: ScheduledBatch, started: float, outputs: list[RequestOutput],
+             co_samples: dict[int, list[Any]] | None = None) -> None:
+        if co_samples is None:
+            co_samples = self._co_samples(batch, started)
         speculator = self.speculator
         drafts = {seq.seq_id: speculator.drafts_of(seq) for seq in batch.seqs
                   if speculator.num_drafts(seq)} if speculator is not None else None
@@ -542,6 +650,9 @@ class LLMEngine:
                 if getattr(self, "_in_flight", None):
                     self._in_flight.clear()
                     runner.drain()  # the stages finish what they were given before they are stopped
+                if getattr(self, "_launched", None) is not None:
+                    self._launched = None
+                    self.runtime.device.synchronize()  # no kernel of it still writes the cache freed next
                 runner.release_kv_cache()
         finally:
             self._closed = True

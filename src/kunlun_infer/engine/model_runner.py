@@ -24,7 +24,7 @@ inside it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from collections.abc import Sequence as Seq
 
@@ -40,6 +40,7 @@ from kunlun_infer.engine.scheduler import ScheduledBatch
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.engine.rejection import verify
 from kunlun_infer.ops.attention_step import AttentionStep
+from kunlun_infer.ops.upload import upload
 
 
 @dataclasses.dataclass
@@ -75,6 +76,25 @@ class StepResult:
     #: in batch order, a sequence's co-samples right after it
     sampled: list[SampledToken] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[ScoredPrompt] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A decode step queued on the device whose tokens have not been read back (``scheduler.overlap_steps``).
+
+    ``tokens``: one per batch row, on the device (what the next step's inputs are taken from);
+    ``host_tokens``: their non-blocking copy to the host, readable once ``ready`` (an event of the compute
+    stream recorded behind that copy) has completed."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    ready: Any
+    #: ``seq_id`` -> row of ``tokens``
+    row_of: dict[int, int]
+    #: ``seq_id`` -> index in the sequence's ``token_ids`` of the placeholder standing for its drawn token
+    #: (set by the engine)
+    token_at: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_size: int, device: torch.device,
@@ -121,8 +141,8 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
                 extra += range(last - d, last)
         if extra:
             logits_indices = torch.cat([logits_indices, torch.tensor(extra, dtype=torch.int64)])
-    return StepInputs(torch.tensor(input_ids, dtype=torch.int64).to(device), positions.to(device), step,
-                      logits_indices.to(device), sample_rows, spans, draft_rows)
+    return StepInputs(upload(input_ids, device, torch.int64), upload(positions, device), step,
+                      upload(logits_indices, device), sample_rows, spans, draft_rows)
 
 
 def _slots(tables: list[list[int]], starts: list[int], counts: list[int], block_size: int) -> list[int]:
@@ -202,6 +222,34 @@ class ModelRunner:
         num_drafts = {seq_id: len(d) for seq_id, (d, _) in (drafts or {}).items() if d}
         inputs = self.prepare(batch, num_drafts)
         return self.sample(batch, inputs, self.compute(inputs), co_samples, drafts)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, record_event: Callable[[], Any],
+               previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue a decode step (every sequence one token, each drawing alone; no logprobs) and return without
+        waiting for the device. With ``previous``, every sequence's input token is the one it drew in that step,
+        still on the device (its place in ``token_ids`` holds a placeholder). :meth:`finish` reads the tokens."""
+        order = self.attention.order_batch(batch.num_new_tokens, [s.num_computed_tokens for s in batch.seqs])
+        inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device, order)
+        if previous is not None:
+            rows = [previous.row_of[batch.seqs[i].seq_id] for i in (range(len(batch)) if order is None else order)]
+            inputs.input_ids = previous.tokens.index_select(0, upload(rows, self.device, torch.int64))
+        logits = self.compute(inputs)
+        seqs = [batch.seqs[i] for i in inputs.sample_rows]
+        if logits is None or len(seqs) != len(batch):
+            raise ValueError("a launched step must be a decode of every sequence in it")
+        tokens, _ = self.sampler.draw(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
+        host_tokens = tokens.to("cpu", non_blocking=True)
+        return LaunchedStep(batch, tokens, host_tokens, record_event(), {s.seq_id: j for j, s in enumerate(seqs)})
+
+    @staticmethod
+    def finish(launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens (only for them: steps queued after it go on running)."""
+        launched.ready.synchronize()
+        token_ids = launched.host_tokens.tolist()
+        seqs = launched.batch.seqs
+        return StepResult([SampledToken(seqs[i], token_ids[j], None) for i, j in
+                           ((i, launched.row_of[seq.seq_id]) for i, seq in enumerate(seqs))])
 
     def sample(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor | None,
                co_samples: Mapping[int, list[Sequence]] | None = None,

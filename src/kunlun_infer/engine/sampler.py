@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.ops.upload import upload
 
 
 @dataclasses.dataclass
@@ -82,8 +83,8 @@ def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
                                device=device).unsqueeze(1)
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
+    presence = upload([p.presence_penalty for p in params], device, logits.dtype)
+    frequency = upload([p.frequency_penalty for p in params], device, logits.dtype)
     return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * (output_counts > 0)
 
 
@@ -92,8 +93,7 @@ def mask_stop_tokens(logits: torch.Tensor, rows: list[int], stop_ids: list[froze
     row_index = [r for r, ids in zip(rows, stop_ids) for _ in ids]
     col_index = [t for ids in stop_ids for t in ids]
     if row_index:
-        logits[torch.tensor(row_index, device=logits.device), torch.tensor(col_index, device=logits.device)] = \
-            float("-inf")
+        logits[upload(row_index, logits.device), upload(col_index, logits.device)] = float("-inf")
     return logits
 
 
@@ -137,6 +137,13 @@ class Sampler:
                  generators: list[torch.Generator | None],
                  histories: Sequence[TokenHistory] | None = None) -> SamplerOutput:
         """``histories[i]`` (the sequence of row ``i``) is needed for penalties, ``min_tokens`` and constraints."""
+        tokens, processed = self.draw(logits, params, generators, histories)
+        return SamplerOutput(tokens.tolist(), self.logprobs(logits, processed, tokens, params))
+
+    def draw(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+             histories: Sequence[TokenHistory] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drawn tokens, left on the logits' device (nothing waits for them), and the processed logits
+        they were drawn from (``logits`` itself when nothing reshaped them)."""
         device = logits.device
         processed = self._process(logits, params, histories)
         if histories is not None and any(p.structured is not None for p in params):
@@ -147,10 +154,8 @@ class Sampler:
             self.structured.apply(processed, histories)
         greedy_tokens = processed.argmax(dim=-1)
         if all(p.greedy for p in params):
-            tokens = greedy_tokens
-        else:
-            tokens = self._sample(processed, params, generators, device, greedy_tokens)
-        return SamplerOutput(tokens.tolist(), self.logprobs(logits, processed, tokens, params))
+            return greedy_tokens, processed
+        return self._sample(processed, params, generators, device, greedy_tokens), processed
 
     @staticmethod
     def _process(logits: torch.Tensor, params: list[SamplingParams],
@@ -177,27 +182,26 @@ class Sampler:
         Greedy rows get their softmax at temperature 1 (they are drawn by argmax).
         """
         device = logits.device
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                                   dtype=logits.dtype, device=device)
+        temperature = upload([p.temperature if not p.greedy else 1.0 for p in params], device, logits.dtype)
         # a huge penalty or a tiny temperature can push logits to +inf, and softmax of inf is NaN
         scaled = (logits / temperature.unsqueeze(1)).clamp_(max=torch.finfo(logits.dtype).max)
         top_k = top_p = None
         if any(p.top_k > 0 for p in params):
             vocab = logits.shape[-1]  # a larger top_k keeps everything (and may not fit an int64)
-            top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int64, device=device)
+            top_k = upload([min(p.top_k, vocab) for p in params], device, torch.int64)
         if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+            top_p = upload([p.top_p for p in params], device, logits.dtype)
         if top_k is not None or top_p is not None:
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
-            probs = apply_min_p(probs, torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device))
+            probs = apply_min_p(probs, upload([p.min_p for p in params], device, probs.dtype))
         return probs
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None], device: torch.device,
                 greedy_tokens: torch.Tensor) -> torch.Tensor:
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        is_greedy = upload([p.greedy for p in params], device)
         probs = self.distribution(logits, params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in enumerate(generators):

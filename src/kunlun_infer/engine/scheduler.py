@@ -71,6 +71,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """Whether the first waiting sequence has a batch slot to take (KV blocks aside)."""
+        return bool(self.waiting) and self._num_slots_taken() + self.waiting[0].num_slots <= self.max_num_seqs
+
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self, busy: Set[int] = frozenset(), max_seqs: int | None = None) -> ScheduledBatch:
@@ -95,6 +99,20 @@ class Scheduler:
                 budget -= num_new
         if self.num_preemptions == preemptions_before:  # no room was short: let newcomers in
             self._admit_waiting(batch, budget, max_seqs)
+        return batch
+
+    def schedule_decodes(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        """A decode step of exactly ``seqs`` (running, each one token), its KV slots allocated; ``None`` (nothing
+        allocated) when the free blocks do not cover them all: this never preempts. For a step launched while the
+        one before is in flight (``engine/overlap.py``), whose sequences cannot be recomputed yet."""
+        bm = self.block_manager
+        needed = sum(max(0, bm.blocks_for(seq.num_computed_tokens + 1) - len(seq.block_table)) for seq in seqs)
+        if needed > bm.num_free_blocks:
+            return None
+        batch = ScheduledBatch([], [])
+        for seq in seqs:
+            bm.allocate(seq, 1)
+            self._add_to_batch(batch, seq, 1)
         return batch
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, busy: Set[int] = frozenset()) -> bool:
@@ -160,11 +178,17 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch) -> None:
         """Record the step's computed tokens (the sampled ones are appended, and judged, by the engine)."""
+        self.advance(batch)
+        for seq in batch.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.commit(seq)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Count the step's tokens as computed, without registering their blocks in the prefix cache (a launched
+        step, whose input tokens may not be known on the host yet: ``engine/overlap.py`` commits them later)."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens += num_new
-            self.block_manager.commit(seq)
+            if seq.status is SequenceStatus.RUNNING:  # not aborted while the step ran
+                seq.num_computed_tokens += num_new
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Run ``child`` (a fresh sequence of ``parent``'s prompt) from ``parent``'s full computed blocks.

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kunlun_infer.ops.upload import upload
+
 
 class SeqKind(str, enum.Enum):
     """What attention one sequence of the step needs (a fact of its lengths, not of its request's phase)."""
@@ -164,4 +166,4 @@ class AttentionStep:
                *, on_device: bool = True) -> torch.Tensor:
         """``values`` as a tensor of ``dtype``, on :attr:`device` (or on the host with ``on_device=False``)."""
         host = torch.tensor(values, dtype=dtype)
-        return host.to(self.device) if on_device else host
+        return upload(host, self.device) if on_device else host

@@ -30,6 +30,7 @@ import torch
 
 from kunlun_infer.ops.attention import AttentionBackend, AttentionSpec, CacheTensorSpec
 from kunlun_infer.ops.attention_step import AttentionStep, decodes_first
+from kunlun_infer.ops.upload import upload
 from kunlun_infer_cuda import triton_kernels as tk
 
 
@@ -135,7 +136,7 @@ class TritonAttentionBackend(AttentionBackend):
         tiles = tk.prefill_tiles(step.query_lens, decodes)
         split_tokens, num_splits = tk.decode_splits(decodes, self.spec.num_kv_heads, width * step.block_size,
                                                     self.programs(step.device))
-        buffer = _host_buffer(step, width, tiles).to(step.device)
+        buffer = upload(_host_buffer(step, width, tiles), step.device)
         return TritonMetadata(buffer, step.num_seqs, step.num_tokens, decodes, len(tiles[0]), width, split_tokens,
                               num_splits)
 
@@ -143,7 +144,7 @@ class TritonAttentionBackend(AttentionBackend):
         if (not step.is_decode_only or step.num_seqs != static.num_seqs or static.num_tiles
                 or any(len(t) > static.width for t in step.block_tables)):
             return False
-        static.buffer.copy_(_host_buffer(step, static.width, ([], [])))
+        static.buffer.copy_(_host_buffer(step, static.width, ([], [])), non_blocking=True)  # see ops/upload.py
         return True
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],

@@ -84,5 +84,10 @@ class CudaStreams(Streams):
     def comm_stream(self) -> CudaStream:
         return self._comm
 
+    @property
+    def asynchronous(self) -> bool:
+        """Kernels queue on the GPU and run after their launch returns (hook API 1.7)."""
+        return True
+
     def close(self) -> None:
         self.synchronize()
