@@ -128,6 +128,7 @@ def test_a_group_option_file_sets_only_what_differs_from_the_schema(option):
     ("cache.block_size=0", "cache.block_size=0 must be >= 1"),
     ("cache.memory_fraction=1.5", r"cache.memory_fraction=1.5 must be in \(0, 1\]"),
     ("scheduler.on_step_error=later", "scheduler.on_step_error=later must be recover or shutdown"),
+    ("scheduler.overlap_steps=always", "scheduler.overlap_steps=always must be auto or on or off"),
     ("parallel.tensor_size=0", "parallel.tensor_size=0 must be at least 1"),
     ("server.port=70000", r"server.port=70000 must be in \[0, 65535\]"),
     ("model.dtype=int8", "model.dtype=int8 must be auto, float32, bfloat16, float16"),

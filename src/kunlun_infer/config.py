@@ -29,6 +29,12 @@ COMM_TIMEOUT_S: float = 120.0
 ON_STEP_ERROR: tuple[str, ...] = ("recover", "shutdown")
 #: ``scheduler.overlap_steps`` values
 OVERLAP_STEPS: tuple[str, ...] = ("auto", "on", "off")
+
+
+def overlap_choice(value: object) -> str:
+    """``scheduler.overlap_steps`` as one of :data:`OVERLAP_STEPS` (YAML reads an unquoted on/off as a boolean)."""
+    text = str(value).lower()
+    return {"true": "on", "false": "off"}.get(text, text)
 #: how drafts are proposed (``speculative.method``)
 SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
 
@@ -137,7 +143,7 @@ class SchedulerConfig:
     on_step_error: str = ranged("recover", " or ".join(ON_STEP_ERROR), lambda v: v in ON_STEP_ERROR)
     #: launch a decode step while the one before still runs on the device (``engine/overlap.py``): ``auto`` where
     #: the streams plugin runs kernels asynchronously (``Streams.asynchronous``), ``on``, or ``off``
-    overlap_steps: str = ranged("auto", " or ".join(OVERLAP_STEPS), lambda v: v in OVERLAP_STEPS)
+    overlap_steps: str = ranged("auto", " or ".join(OVERLAP_STEPS), lambda v: overlap_choice(v) in OVERLAP_STEPS)
 
 
 @dataclasses.dataclass

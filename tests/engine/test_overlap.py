@@ -216,6 +216,9 @@ def test_overlap_on_refuses_speculative_decoding_and_bad_values(tiny_model, make
         make_llm(folder, scheduler__overlap_steps="on", speculative__method="ngram", speculative__num_tokens=3)
     with pytest.raises(ConfigError, match="scheduler.overlap_steps=sometimes"):
         make_llm(folder, scheduler__overlap_steps="sometimes")
+    # an unquoted on/off in a YAML file arrives as a boolean, and means the same
+    assert make_llm(folder, scheduler__overlap_steps="true").engine.overlap is True
+    assert make_llm(folder, scheduler__overlap_steps="false").engine.overlap is False
     # auto with speculative decoding: steps run as before
     assert make_llm(folder, speculative__method="ngram", speculative__num_tokens=3).engine.overlap is False
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kunlun_infer.config import StructuredConfig, check_ranges, setting
+from kunlun_infer.config import StructuredConfig, check_ranges, overlap_choice, setting
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.block_manager import BlockManager
 from kunlun_infer.engine.failures import describe_failure
@@ -210,7 +210,7 @@ class LLMEngine:
         self.pipeline_batches = int(cfg.parallel.pipeline_batches) if self.grid is not None else 1
         #: each batch in flight takes its share of the running sequences, so that there is one for each
         self._batch_seqs = -(-max_num_seqs // self.pipeline_batches)
-        overlap = str(setting(cfg, "scheduler.overlap_steps"))
+        overlap = overlap_choice(setting(cfg, "scheduler.overlap_steps"))
         if overlap == "on" and (self.parallel is not None or proposer is not None):
             raise ConfigError("scheduler.overlap_steps=on needs one rank without speculative decoding (parallel "
                               "sizes 1, speculative.method unset); set it to auto or off")
