@@ -19,8 +19,9 @@ Llama-3.2-1B-shaped 1.2B. Per model, in one process:
   also the GPU time of the batch-1 capture's replay alone (the layers);
 - each engine's start: seconds (loading, the KV cache, the start-up
   captures), GPU memory it holds once started and at its peak;
-- ``--profile`` variants: a batch-1 decode step under torch's profiler (the
-  ops with the most host and device time, and how busy the device was).
+- ``--profile`` variants: decode steps at ``--profile-batches`` sizes under
+  torch's profiler (the ops with the most host and device time, and how
+  busy the device was).
 
 The variants besides the levers take one out of the default: rotary by torch's
 kernels (``graphs-torch-rotary``), an output at every token as a streaming
@@ -244,7 +245,8 @@ def gib(nbytes: int) -> float:
 
 
 def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, variant: Variant, overrides: list[str],
-         num_blocks: int, device: torch.device, profile_steps: int = 0) -> dict[str, Any]:
+         num_blocks: int, device: torch.device, profile_steps: int = 0,
+         profile_batches: tuple[int, ...] = (1,)) -> dict[str, Any]:
     import kunlun_infer as ki
     from kunlun_infer_cuda import ops as cuda_ops
 
@@ -290,8 +292,9 @@ def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, variant: Va
                              "refused": {str(k): v for k, v in graphs.refused.items()}}
             if 1 in graphs.batch_sizes and on_gpu:
                 out["batch1_replay_ms"] = replay_ms(graphs.captured_step(1), device)
-        if profile_steps:
-            out["batch1_profile"] = profile_batch1(llm, model.vocab, profile_steps, device)
+        for batch in profile_batches if profile_steps else ():
+            out.setdefault("decode_profiles", []).append(
+                profile_decode(llm, model.vocab, profile_steps, device, batch, 64 if batch == 1 else 512))
         if on_gpu:
             out["memory_peak_gib"] = gib(torch.cuda.max_memory_allocated(device) - before)
     torch.cuda.empty_cache()
@@ -311,19 +314,25 @@ def labelled(name: str, fn: Any) -> Any:
     return run
 
 
-def profile_batch1(llm: Any, vocab: int, steps: int, device: torch.device, rows: int = 25) -> dict[str, Any]:
-    """Where a batch-1 decode step's time goes: ``steps`` steps of one fresh sequence (its prefill left out)
-    under torch's profiler, host and device; the ops with the most host time and the most device time (per
-    step), and the share of the steps' wall time the device was busy."""
+def profile_decode(llm: Any, vocab: int, steps: int, device: torch.device, batch: int = 1, prompt_len: int = 64,
+                   rows: int = 25) -> dict[str, Any]:
+    """Where a decode step's time goes: ``steps`` steps of ``batch`` fresh sequences of ``prompt_len``-token
+    prompts (their prefill left out) under torch's profiler, host and device; the ops with the most host time
+    and the most device time (per step), and how long the device was busy per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     import kunlun_infer as ki
 
     engine = llm.engine
-    prompt = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(7)).tolist()
-    engine.add_request(prompt, ki.SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
-    for _ in range(4):  # the prefill and a few decode steps first
+    g = torch.Generator().manual_seed(7)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                           ki.SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()  # the prefills
+    for _ in range(3):  # and a few decode steps
         engine.step()
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
     # the step's parts as step_host.py names them, each a labelled range of the profile
@@ -361,7 +370,7 @@ def profile_batch1(llm: Any, vocab: int, steps: int, device: torch.device, rows:
     # the device's own activities (kernels, copies), not the ops or labelled ranges that also carry their time
     busy_us = sum(e.time_range.elapsed_us() for e in prof.events()
                   if e.device_type == DeviceType.CUDA and not e.name.startswith("step."))
-    return {"steps": steps, "step_ms": 1e3 * wall / steps, "device_busy_ms_per_step": busy_us / steps / 1e3,
+    return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "step_ms": 1e3 * wall / steps, "device_busy_ms_per_step": busy_us / steps / 1e3,
             "host_us_per_step_by_part": parts,
             "by_host_time": [row(e) for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:rows]],
             "by_device_time": [row(e) for e in sorted(averages, key=device_us, reverse=True)[:rows]
@@ -369,7 +378,8 @@ def profile_batch1(llm: Any, vocab: int, steps: int, device: torch.device, rows:
 
 
 def print_profile(profile: dict[str, Any]) -> None:
-    print(f"  profiled batch-1 step {profile['step_ms']:.3f} ms, device busy {profile['device_busy_ms_per_step']:.3f} "
+    print(f"  profiled batch-{profile['batch']} step {profile['step_ms']:.3f} ms, device busy "
+          f"{profile['device_busy_ms_per_step']:.3f} "
           f"ms; host us per step by part {profile['host_us_per_step_by_part']}; per step, host us / device us / "
           "calls:")
     for title in ("by_host_time", "by_device_time"):
@@ -413,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--profile", default="", help="variants whose batch-1 decode steps are also profiled")
     parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--profile-batches", default="1",
+                        help="decode batch sizes profiled (1: 64-token prompts; larger: 512-token prompts)")
     parser.add_argument("--folder", default="/tmp/kunlun-gpu-models")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--seed", type=int, default=0)
@@ -457,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                 overrides = [*variant.overrides,
                              *(["ops.attention=triton"] if args.cpu_dry_run and short != "sdpa" else [])]
                 result = ours(folder, model, requests, variant, overrides, num_blocks, device,
-                              args.profile_steps if short in args.profile.split(",") else 0)
+                              args.profile_steps if short in args.profile.split(",") else 0,
+                              tuple(int(b) for b in args.profile_batches.split(",")))
             except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             entry["variants"][label] = result
@@ -473,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({memory.get('allocated', '-')} GiB, captured {result.get('captured_at_start', '-')}), "
                   f"warm-up {result['warmup_seconds']:.1f} s, batch-1 {result['batch1_ms']:.2f} ms{replay} "
                   f"(bound {entry['batch1_bound_ms']:.3f})", flush=True)
-            if "batch1_profile" in result:
-                print_profile(result["batch1_profile"])
+            for profile in result.get("decode_profiles", []):
+                print_profile(profile)
     out_path.write_text(json.dumps(report, indent=1))
     return 0
 
