@@ -9,7 +9,9 @@ together (fresh prompts of 128-1024 tokens, prefill steps left out), every
 step timed, and each part of it timed alone by wrapping the engine's own
 calls: ``schedule`` (the scheduler), ``prepare`` (the step's inputs and
 attention metadata), ``compute`` (embedding, layers, head), ``sample`` and
-``apply`` (tokens recorded, stop checks, outputs). Requests report only
+``apply`` (tokens recorded, stop checks, outputs; for an overlapped step,
+``scheduler.overlap_steps=on``, the step's scheduling of decodes, its draw
+on the device and its landing). Requests report only
 when they finish, as ``LLM.generate`` asks (``--outputs every``: an output
 for every token, as a streaming server asks). Medians in milliseconds;
 prints the CPU model and ISA::
@@ -75,11 +77,15 @@ def measure(folder: Path, batch: int, steps: int, overrides: list[str], final_on
         for _ in range(5):  # captures and first calls
             engine.step()
         times: dict[str, list[float]] = {name: [] for name in (*PARTS, "step")}
-        engine.scheduler.schedule = timed(times, "schedule", engine.scheduler.schedule)
-        engine.runner.prepare = timed(times, "prepare", engine.runner.prepare)
-        engine.runner.compute = timed(times, "compute", engine.runner.compute)
-        engine.runner.sample = timed(times, "sample", engine.runner.sample)
-        engine._apply = timed(times, "apply", engine._apply)
+        # (an overlapped step schedules with schedule_decodes, draws on the device, records in _land)
+        for part, owner, names in (("schedule", engine.scheduler, ("schedule", "schedule_decodes")),
+                                   ("prepare", engine.runner, ("prepare",)),
+                                   ("compute", engine.runner, ("compute",)),
+                                   ("sample", *((engine.runner.sampler, ("draw",)) if engine.overlap else
+                                                (engine.runner, ("sample",)))),
+                                   ("apply", engine, ("_apply", "_land"))):
+            for name in names:
+                setattr(owner, name, timed(times, part, getattr(owner, name)))
         for _ in range(steps):
             start = time.perf_counter()
             engine.step()

@@ -58,6 +58,8 @@ class StepInputs:
     #: batch row of a sequence checking drafts -> where the logits of its draft positions start (after the
     #: prompt spans'); its last position's logits are its sampled row's, as for any sequence
     draft_rows: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: the batch rows in the order their tokens are laid out
+    order: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -142,7 +144,7 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
         if extra:
             logits_indices = torch.cat([logits_indices, torch.tensor(extra, dtype=torch.int64)])
     return StepInputs(upload(input_ids, device, torch.int64), upload(positions, device), step,
-                      upload(logits_indices, device), sample_rows, spans, draft_rows)
+                      upload(logits_indices, device), sample_rows, spans, draft_rows, order)
 
 
 def _slots(tables: list[list[int]], starts: list[int], counts: list[int], block_size: int) -> list[int]:
@@ -229,10 +231,9 @@ class ModelRunner:
         """Queue a decode step (every sequence one token, each drawing alone; no logprobs) and return without
         waiting for the device. With ``previous``, every sequence's input token is the one it drew in that step,
         still on the device (its place in ``token_ids`` holds a placeholder). :meth:`finish` reads the tokens."""
-        order = self.attention.order_batch(batch.num_new_tokens, [s.num_computed_tokens for s in batch.seqs])
-        inputs = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size, self.device, order)
+        inputs = self.prepare(batch)
         if previous is not None:
-            rows = [previous.row_of[batch.seqs[i].seq_id] for i in (range(len(batch)) if order is None else order)]
+            rows = [previous.row_of[batch.seqs[i].seq_id] for i in inputs.order]
             inputs.input_ids = previous.tokens.index_select(0, upload(rows, self.device, torch.int64))
         logits = self.compute(inputs)
         seqs = [batch.seqs[i] for i in inputs.sample_rows]
