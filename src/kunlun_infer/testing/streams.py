@@ -1,8 +1,11 @@
-"""Conformance of a streams provider: in-order execution, cross-stream events, synchronize, errors."""
+"""Conformance of a streams provider: in-order execution, cross-stream events, synchronize, errors, and the
+read-back of an overlapped step (hook API 1.7)."""
 
 from __future__ import annotations
 
 import time
+
+import torch
 
 from kunlun_infer.capabilities import Streams
 from kunlun_infer.testing.compare import ConformanceError
@@ -56,3 +59,25 @@ def check_streams(streams: Streams) -> None:
     else:
         raise ConformanceError("streams: an exception raised by submitted work was neither raised by submit() "
                                "nor by synchronize()")
+
+
+def check_readback(streams: Streams, device: torch.device) -> None:
+    """What an overlapped decode step relies on (``scheduler.overlap_steps``): device results copied to the host
+    without blocking, then an event of the compute stream recorded, hold their values once the event completes,
+    while work queued after the event runs on; and ``asynchronous`` is a bool. Any plugin must pass this (the
+    engine may be asked to overlap, ``on``); one whose ``asynchronous`` is true is relied on for it."""
+    _expect(isinstance(streams.asynchronous, bool), "streams: asynchronous must be a bool (hook API 1.7)")
+    a = torch.randint(-3, 4, (512, 512), generator=torch.Generator().manual_seed(0)).float()  # exact products
+    want = (a @ a).sum(dim=-1).long()
+    on_device = a.to(device)
+    tokens = (on_device @ on_device).sum(dim=-1).long()  # work still queued on an asynchronous device
+    host = tokens.to("cpu", non_blocking=True)
+    ready = streams.compute_stream().record_event()
+    later = on_device @ on_device  # queued behind the event: the read-back must not wait for it to be right
+    ready.synchronize()
+    _expect(ready.query(), "streams: an event must report completion once synchronize() returned")
+    _expect(torch.equal(host, want),
+            "streams: a non-blocking copy to the host, read once an event recorded after it completed, did not "
+            "hold the device's values: the event must complete only after the copy (order it behind the copy on "
+            "the compute stream)")
+    del later

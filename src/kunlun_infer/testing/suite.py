@@ -25,13 +25,13 @@ from kunlun_infer.testing.device import check_device, check_device_lifecycle
 from kunlun_infer.testing.harness import plugin_manager
 from kunlun_infer.testing.memory import check_allocations, check_out_of_memory, check_reuse_and_empty_cache
 from kunlun_infer.testing.ops import check_op
-from kunlun_infer.testing.streams import check_streams
+from kunlun_infer.testing.streams import check_readback, check_streams
 
 __all__ = [
     "test_attention_backend_matches_reference", "test_mla_attention_backend_matches_reference",
     "test_collectives_exact", "test_device_conformance", "test_device_lifecycle", "test_memory_allocations",
     "test_memory_out_of_memory", "test_memory_reuse_and_empty_cache", "test_op_matches_reference",
-    "test_streams_ordering_and_events",
+    "test_streams_ordering_and_events", "test_streams_readback_of_overlapped_steps",
 ]
 
 
@@ -103,6 +103,10 @@ def test_mla_attention_backend_matches_reference(kunlun_runtime, shape, dtype):
 
 def test_streams_ordering_and_events(kunlun_runtime):
     check_streams(kunlun_runtime.streams)
+
+
+def test_streams_readback_of_overlapped_steps(kunlun_runtime):
+    check_readback(kunlun_runtime.streams, kunlun_runtime.device.torch_device)
 
 
 def test_collectives_exact(kunlun_runtime, kunlun_overrides, kunlun_plugin_modules):
