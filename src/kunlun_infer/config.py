@@ -29,14 +29,14 @@ COMM_TIMEOUT_S: float = 120.0
 ON_STEP_ERROR: tuple[str, ...] = ("recover", "shutdown")
 #: ``scheduler.overlap_steps`` values
 OVERLAP_STEPS: tuple[str, ...] = ("auto", "on", "off")
+#: how drafts are proposed (``speculative.method``)
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
 
 
 def overlap_choice(value: object) -> str:
     """``scheduler.overlap_steps`` as one of :data:`OVERLAP_STEPS` (YAML reads an unquoted on/off as a boolean)."""
     text = str(value).lower()
     return {"true": "on", "false": "off"}.get(text, text)
-#: how drafts are proposed (``speculative.method``)
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft")
 
 
 def ranged(default: Any, allowed: str, ok: Callable[[Any], bool]) -> Any:

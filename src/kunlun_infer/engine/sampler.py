@@ -60,7 +60,8 @@ def token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int, device: tor
     if total:
         rows = torch.repeat_interleave(torch.arange(len(id_lists)), lengths, output_size=total)
         ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
-        counts.index_put_((rows.to(device), ids.to(device)), torch.ones(total, device=device), accumulate=True)
+        counts.index_put_((upload(rows, device), upload(ids, device)), torch.ones(total, device=device),
+                          accumulate=True)
     return counts
 
 
@@ -79,8 +80,7 @@ def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
     if any(p.repetition_penalty != 1 for p in params):
         prompt_counts = token_counts([h.token_ids[:h.num_prompt_tokens] for h in histories], vocab, device)
         seen = (prompt_counts + output_counts) > 0
-        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype,
-                               device=device).unsqueeze(1)
+        penalty = upload([p.repetition_penalty for p in params], device, logits.dtype).unsqueeze(1)
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
     presence = upload([p.presence_penalty for p in params], device, logits.dtype)
