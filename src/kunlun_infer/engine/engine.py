@@ -363,8 +363,7 @@ class LLMEngine:
         launched = self._launched
         if launched is not None:
             queued = self._next_decodes(launched)
-            if queued is not None:
-                self._co_samples(queued, started)  # (none: a plain decode; marks the requests scheduled)
+            if queued is not None:  # (its sequences were all in ``launched``: scheduled before, no co-samples)
                 self._launch(queued, launched)
                 self._land(launched, outputs, queued)
                 return queued

@@ -106,14 +106,12 @@ class Scheduler:
         allocated) when the free blocks do not cover them all: this never preempts. For a step launched while the
         one before is in flight (``engine/overlap.py``), whose sequences cannot be recomputed yet."""
         bm = self.block_manager
-        needed = sum(max(0, bm.blocks_for(seq.num_computed_tokens + 1) - len(seq.block_table)) for seq in seqs)
-        if needed > bm.num_free_blocks:
+        growing = [seq for seq in seqs if seq.num_computed_tokens >= len(seq.block_table) * bm.block_size]
+        if len(growing) > bm.num_free_blocks:  # (one token more needs at most one block more)
             return None
-        batch = ScheduledBatch([], [])
-        for seq in seqs:
+        for seq in growing:
             bm.allocate(seq, 1)
-            self._add_to_batch(batch, seq, 1)
-        return batch
+        return ScheduledBatch(list(seqs), [1] * len(seqs), num_decode_tokens=len(seqs))
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, busy: Set[int] = frozenset()) -> bool:
         """Allocate blocks for ``seq``, preempting newer sequences; False if ``seq`` itself was preempted
