@@ -201,12 +201,17 @@ def test_a_failure_in_flight_ends_the_requests_of_both_steps_and_the_engine_serv
     assert results(llm.generate(prompts()[:2], sp, use_tqdm=False)) == results(want)  # serving on
 
 
-def test_auto_follows_the_streams_plugin(tiny_model, make_llm, monkeypatch):
+def test_auto_follows_the_streams_plugin(tiny_model, make_llm, monkeypatch, caplog):
     folder = tiny_model("llama")
     assert cpu_streams.SyncStreams().asynchronous is False  # a streams plugin without the 1.7 property
-    assert make_llm(folder).engine.overlap is False  # auto, and the sync streams run every kernel at once
+    with caplog.at_level("INFO", logger="kunlun_infer.framework"):
+        assert make_llm(folder).engine.overlap is False  # auto, and the sync streams run every kernel at once
+    assert "engine ready" in caplog.text and "overlapped" not in caplog.text
     monkeypatch.setattr(cpu_streams.SyncStreams, "asynchronous", property(lambda self: True))
-    assert make_llm(folder).engine.overlap is True
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kunlun_infer.framework"):
+        assert make_llm(folder).engine.overlap is True
+    assert "decode steps overlapped (scheduler.overlap_steps)" in caplog.text  # the start-up log says so
     assert make_llm(folder, scheduler__overlap_steps="off").engine.overlap is False
 
 

@@ -233,8 +233,9 @@ class LLMEngine:
             "pipeline_size": pipeline_size,
             "plugins": {c: rt.plugin_for(c) for c in ("device", "memory", "ops", "comm", "streams")},
         })
-        log.info("engine ready: %s (%s), max_model_len=%d, %d KV blocks", self.model_path, self.dtype,
-                 self.max_model_len, num_blocks)
+        log.info("engine ready: %s (%s), max_model_len=%d, %d KV blocks%s", self.model_path, self.dtype,
+                 self.max_model_len, num_blocks,
+                 ", decode steps overlapped (scheduler.overlap_steps)" if self.overlap else "")
 
     # ------------------------------------------------------------------ requests
 
