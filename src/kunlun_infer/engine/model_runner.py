@@ -248,9 +248,8 @@ class ModelRunner:
         """Wait for a launched step's tokens (only for them: steps queued after it go on running)."""
         launched.ready.synchronize()
         token_ids = launched.host_tokens.tolist()
-        seqs = launched.batch.seqs
-        return StepResult([SampledToken(seqs[i], token_ids[j], None) for i, j in
-                           ((i, launched.row_of[seq.seq_id]) for i, seq in enumerate(seqs))])
+        return StepResult([SampledToken(seq, token_ids[launched.row_of[seq.seq_id]], None)
+                           for seq in launched.batch.seqs])
 
     def sample(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor | None,
                co_samples: Mapping[int, list[Sequence]] | None = None,

@@ -131,7 +131,7 @@ class StepGraphs:
         for size in self.sizes or ():
             if size > largest or size in self._graphs or size in self.refused:
                 continue
-            step = AttentionStep(block_size, [1] * size, [0] * size, [[0]] * size, [-1] * size, device)
+            step = AttentionStep(block_size, [], [], [], [], device).padded_to(size)  # padding sequences only
             zeros = torch.zeros(size, dtype=torch.int64, device=device)  # token ids and positions alike
             self.forward(zeros, zeros, step, kv_caches)
         return self.captures - before
