@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perf_cpu  # noqa: E402  (a sibling file: the request sets and the batch-1 decode step)
+import step_host  # noqa: E402  (a sibling file: the parts of a step)
 
 from kunlun_infer.runtime.guard import unwrap  # noqa: E402
 
@@ -301,12 +302,6 @@ def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, variant: Va
     return out
 
 
-#: the engine's calls a step is made of (``step_host.py``'s parts, and an overlapped step's ``launch``: prepare,
-#: compute and draw; ``land``: wait for the tokens and record them) -> the method's name
-PART_METHODS = {"schedule": "schedule", "prepare": "prepare", "compute": "compute", "sample": "sample",
-                "apply": "_apply", "launch": "launch", "land": "_land"}
-
-
 def labelled(name: str, fn: Any) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         with torch.profiler.record_function(name):
@@ -335,11 +330,9 @@ def profile_decode(llm: Any, vocab: int, steps: int, device: torch.device, batch
     for _ in range(3):  # and a few decode steps
         engine.step()
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
-    # the step's parts as step_host.py names them, each a labelled range of the profile
-    owners = {"schedule": engine.scheduler, "prepare": engine.runner, "compute": engine.runner,
-              "sample": engine.runner, "apply": engine, "launch": engine.runner, "land": engine}
-    for part, owner in owners.items():
-        setattr(owner, PART_METHODS[part], labelled(f"step.{part}", getattr(owner, PART_METHODS[part])))
+    calls = step_host.part_calls(engine)  # the step's parts as step_host.py names them, each a labelled range
+    for part, owner, name in calls:
+        setattr(owner, name, labelled(f"step.{part}", getattr(owner, name)))
     try:
         with profile(activities=activities) as prof:
             sync(device)
@@ -349,8 +342,8 @@ def profile_decode(llm: Any, vocab: int, steps: int, device: torch.device, batch
             sync(device)
             wall = time.perf_counter() - start
     finally:
-        for part, owner in owners.items():
-            delattr(owner, PART_METHODS[part])  # the instance attribute: the class's method shows again
+        for _, owner, name in calls:
+            delattr(owner, name)  # the instance attribute: the class's method shows again
     while engine.has_unfinished():
         engine.step()
     averages = prof.key_averages()

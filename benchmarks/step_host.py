@@ -60,6 +60,16 @@ def timed(times: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> C
     return run
 
 
+def part_calls(engine: Any) -> list[tuple[str, Any, str]]:
+    """``(part, owner, method)`` for every engine call a step's part is made of: an overlapped step
+    (``scheduler.overlap_steps``) schedules with ``schedule_decodes``, draws on the device (``Sampler.draw``)
+    and records its tokens in ``_land``."""
+    sample = (engine.runner.sampler, "draw") if engine.overlap else (engine.runner, "sample")
+    return [("schedule", engine.scheduler, "schedule"), ("schedule", engine.scheduler, "schedule_decodes"),
+            ("prepare", engine.runner, "prepare"), ("compute", engine.runner, "compute"), ("sample", *sample),
+            ("apply", engine, "_apply"), ("apply", engine, "_land")]
+
+
 def measure(folder: Path, batch: int, steps: int, overrides: list[str], final_only: bool = True) -> dict[str, float]:
     import kunlun_infer as ki
 
@@ -77,15 +87,8 @@ def measure(folder: Path, batch: int, steps: int, overrides: list[str], final_on
         for _ in range(5):  # captures and first calls
             engine.step()
         times: dict[str, list[float]] = {name: [] for name in (*PARTS, "step")}
-        # (an overlapped step schedules with schedule_decodes, draws on the device, records in _land)
-        for part, owner, names in (("schedule", engine.scheduler, ("schedule", "schedule_decodes")),
-                                   ("prepare", engine.runner, ("prepare",)),
-                                   ("compute", engine.runner, ("compute",)),
-                                   ("sample", *((engine.runner.sampler, ("draw",)) if engine.overlap else
-                                                (engine.runner, ("sample",)))),
-                                   ("apply", engine, ("_apply", "_land"))):
-            for name in names:
-                setattr(owner, name, timed(times, part, getattr(owner, name)))
+        for part, owner, name in part_calls(engine):
+            setattr(owner, name, timed(times, part, getattr(owner, name)))
         for _ in range(steps):
             start = time.perf_counter()
             engine.step()
