@@ -62,10 +62,10 @@ def timed(times: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> C
 
 def part_calls(engine: Any) -> list[tuple[str, Any, str]]:
     """``(part, owner, method)`` for every engine call a step's part is made of: an overlapped step
-    (``scheduler.overlap_steps``) schedules with ``schedule_decodes``, draws on the device (``Sampler.draw``)
+    (``scheduler.overlap_steps``) schedules behind the step in flight, draws on the device (``Sampler.draw``)
     and records its tokens in ``_land``."""
     sample = (engine.runner.sampler, "draw") if engine.overlap else (engine.runner, "sample")
-    return [("schedule", engine.scheduler, "schedule"), ("schedule", engine.scheduler, "schedule_decodes"),
+    return [("schedule", engine.scheduler, "schedule"), ("schedule", engine, "_schedule_behind"),
             ("prepare", engine.runner, "prepare"), ("compute", engine.runner, "compute"), ("sample", *sample),
             ("apply", engine, "_apply"), ("apply", engine, "_land")]
 

@@ -141,7 +141,7 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     #: after a failed step (its requests end with an error): ``recover`` serves on, ``shutdown`` closes the engine
     on_step_error: str = ranged("recover", " or ".join(ON_STEP_ERROR), lambda v: v in ON_STEP_ERROR)
-    #: launch a decode step while the one before still runs on the device (``engine/overlap.py``): ``auto`` where
+    #: launch a step while the one before still runs on the device (``engine/overlap.py``): ``auto`` where
     #: the streams plugin runs kernels asynchronously (``Streams.asynchronous``), ``on``, or ``off``
     overlap_steps: str = ranged("auto", " or ".join(OVERLAP_STEPS), lambda v: overlap_choice(v) in OVERLAP_STEPS)
 

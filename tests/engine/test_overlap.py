@@ -1,13 +1,15 @@
-"""Overlapped decode steps (``scheduler.overlap_steps``, hook API 1.7) give the synchronous engine's results.
+"""Overlapped steps (``scheduler.overlap_steps``, hook API 1.7) give the synchronous engine's results.
 
 The CPU runs every kernel before it returns, so here overlapping saves no
-time, but the engine does all the overlapped bookkeeping: a decode step is
+time, but the engine does all the overlapped bookkeeping: a step is
 launched with placeholders for its tokens, the next one is launched from the
 device's tokens before the first is read back, and the tokens are put in
 place and judged one step later. Greedy and seeded requests, stop tokens
-inside the run, ``min_tokens``, streamed outputs, aborts of a request in
-flight, KV-block shortage and preemption, prefix caching and requests that
-cannot overlap (logprobs, penalties) must all come out as without overlap;
+inside the run, ``min_tokens``, streamed outputs, requests arriving while
+others decode (their prompt chunks launched behind a step in flight), aborts
+of a request in flight, KV-block shortage and preemption, prefix caching and
+requests that cannot overlap (logprobs, penalties, ``n > 1``) must all come
+out as without overlap;
 a failure in a launched step ends the requests of both steps in flight and
 the engine serves on. ``auto`` follows the streams plugin: the built-in
 ``sync`` streams (and any plugin written before 1.7) say "not asynchronous".
@@ -44,15 +46,17 @@ def results(outputs) -> list[tuple[list[int], str, object]]:
 
 
 class LaunchSpy:
-    """Counts the engine's launched steps, and those launched while another was in flight."""
+    """Counts the engine's launched steps, those launched while another was in flight, and those of them with
+    prompt tokens."""
 
     def __init__(self, engine) -> None:
-        self.launched = self.behind = 0
+        self.launched = self.behind = self.prompts_behind = 0
         runner, launch = engine.runner, engine.runner.launch
 
         def spy(batch, record_event, previous=None):
             self.launched += 1
             self.behind += previous is not None
+            self.prompts_behind += previous is not None and batch.num_prefill_tokens > 0
             return launch(batch, record_event, previous)
 
         runner.launch = spy
@@ -112,6 +116,75 @@ def test_requests_that_cannot_overlap_are_served_alike(tiny_model, make_llm):
     assert want[1][2] is not None and len(want[1][2]) == len(want[1][0])  # logprobs of every token came back
     # while those two run, no step is launched; after they end, the others' decode steps overlap again
     assert spy.launched > 0
+
+
+def serve_arriving(engine, requests: list[tuple[int, list[int], SamplingParams]]) -> list:
+    """Add each ``(step, prompt, params)`` before that step of the engine, run until all finish; each request's
+    final outputs (one per sample), in arrival order."""
+    pending, ids, final, step = sorted(requests, key=lambda r: r[0]), [], {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt, sp = pending.pop(0)
+            ids.append(engine.add_request(prompt, sp))
+        for output in engine.step():
+            assert PLACEHOLDER not in output.token_ids
+            if output.finished:
+                final.setdefault(output.request_id, {})[output.index] = output
+        step += 1
+    return [results(final[i][k] for k in sorted(final[i])) for i in ids]
+
+
+def arrivals(extra: dict[int, dict] | None = None) -> list[tuple[int, list[int], SamplingParams]]:
+    """The seven requests arriving two steps apart, while the ones before decode."""
+    return [(2 * i, p, sp) for i, (p, sp) in enumerate(zip(prompts(), params(extra=extra)))]
+
+
+def test_requests_arriving_while_others_decode_overlap_and_get_the_synchronous_tokens(tiny_model, make_llm):
+    folder = tiny_model("llama")
+    small = {"scheduler__max_num_batched_tokens": 24}  # the 33- and 70-token prompts come in chunks
+    want = serve_arriving(make_llm(folder, scheduler__overlap_steps="off", **small).engine, arrivals())
+    engine = make_llm(folder, scheduler__overlap_steps="on", **small).engine
+    spy = LaunchSpy(engine)
+    assert serve_arriving(engine, arrivals()) == want
+    # newcomers' prompts (whole, and chunks of the long ones) went out behind a step in flight
+    assert spy.prompts_behind >= 6 and spy.behind >= spy.launched - 3
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0
+
+
+def test_newcomers_that_cannot_overlap_take_the_step_in_flight_back_and_are_served_alike(tiny_model, make_llm):
+    folder = tiny_model("llama")
+    extra = {2: {"logprobs": 2}, 3: {"prompt_logprobs": 1}, 4: {"n": 2}}  # (4 samples at 0.8)
+    want = serve_arriving(make_llm(folder, scheduler__overlap_steps="off").engine, arrivals(extra))
+    engine = make_llm(folder, scheduler__overlap_steps="on").engine
+    spy = LaunchSpy(engine)
+    got = serve_arriving(engine, arrivals(extra))
+    assert got == want
+    assert len(got[4]) == 2 and got[4][0] != got[4][1]  # both samples came back, each its own
+    assert want[2][0][2] is not None and len(want[2][0][2]) == len(want[2][0][0])  # logprobs of every token
+    # before and after the three run (while they do, nothing is launched), the others' steps overlapped,
+    # the first newcomer's prompt among them
+    assert spy.prompts_behind >= 1 and spy.behind >= 10
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_a_prompt_chunked_behind_a_step_in_flight_feeds_the_prefix_cache(tiny_model, make_llm):
+    folder = tiny_model("llama")
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    long = prompts()[4] + prompts()[5]  # 103 tokens: five chunks of 24
+    # a short request decodes while the long prompt comes in chunks; the same prompt comes again while those
+    # chunks are still coming in (it finds the blocks of those already landed), and once more after
+    requests = [(0, prompts()[1], sp), (1, long, sp), (4, long, sp), (30, long, sp)]
+    figures = {}
+    for mode in ("off", "on"):
+        engine = make_llm(folder, scheduler__overlap_steps=mode, scheduler__max_num_batched_tokens=24).engine
+        spy = LaunchSpy(engine)
+        figures[mode] = (serve_arriving(engine, requests), engine.stats()["prefix_cache_hit_tokens"])
+    assert figures["on"][0] == figures["off"][0] and spy.prompts_behind >= 4
+    # the last arrival finds all six full blocks; the second at least two (a step later than the synchronous
+    # engine, whose chunks are in the cache as soon as they ran: here as soon as they landed)
+    assert figures["off"][1] >= 96 + 64 and figures["on"][1] >= 96 + 32
 
 
 def test_aborting_a_request_in_flight_keeps_its_real_tokens_only(tiny_model, make_llm):
@@ -211,7 +284,7 @@ def test_auto_follows_the_streams_plugin(tiny_model, make_llm, monkeypatch, capl
     caplog.clear()
     with caplog.at_level("INFO", logger="kunlun_infer.framework"):
         assert make_llm(folder).engine.overlap is True
-    assert "decode steps overlapped (scheduler.overlap_steps)" in caplog.text  # the start-up log says so
+    assert "steps overlapped (scheduler.overlap_steps)" in caplog.text  # the start-up log says so
     assert make_llm(folder, scheduler__overlap_steps="off").engine.overlap is False
 
 

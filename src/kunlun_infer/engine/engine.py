@@ -45,7 +45,7 @@ from kunlun_infer.engine.intake import PreparedRequest, Prompt, RequestIntake
 from kunlun_infer.engine.kv_cache import KVBudget, size_kv_cache
 from kunlun_infer.engine.model_runner import LaunchedStep, ModelRunner, SampledToken
 from kunlun_infer.engine.outputs import RequestOutput
-from kunlun_infer.engine.overlap import PLACEHOLDER, drop_placeholders, is_plain_decode, launchable, overlap_enabled
+from kunlun_infer.engine.overlap import PLACEHOLDER, drop_placeholders, overlap_enabled, overlappable
 from kunlun_infer.engine.parallel.driver import TensorParallelGroup
 from kunlun_infer.engine.parallel.pipeline_driver import PipelineGroup
 from kunlun_infer.engine.parallel.stages import Grid
@@ -214,11 +214,11 @@ class LLMEngine:
         if overlap == "on" and (self.parallel is not None or proposer is not None):
             raise ConfigError("scheduler.overlap_steps=on needs one rank without speculative decoding (parallel "
                               "sizes 1, speculative.method unset); set it to auto or off")
-        #: decode steps launched before the one in flight comes back (``engine/overlap.py``)
+        #: steps launched before the one in flight comes back (``engine/overlap.py``)
         self.overlap = (self.parallel is None and proposer is None
                         and overlap_enabled(overlap, bool(rt.streams.asynchronous)))
         self._record_event = rt.streams.compute_stream().record_event
-        #: the decode step in flight (overlapped steps only)
+        #: the step in flight (overlapped steps only)
         self._launched: LaunchedStep | None = None
         self.speculator = None if proposer is None else Speculator(
             proposer, num_tokens=int(cfg.speculative.num_tokens), max_model_len=self.max_model_len,
@@ -235,7 +235,7 @@ class LLMEngine:
         })
         log.info("engine ready: %s (%s), max_model_len=%d, %d KV blocks%s", self.model_path, self.dtype,
                  self.max_model_len, num_blocks,
-                 ", decode steps overlapped (scheduler.overlap_steps)" if self.overlap else "")
+                 ", steps overlapped (scheduler.overlap_steps)" if self.overlap else "")
 
     # ------------------------------------------------------------------ requests
 
@@ -358,13 +358,13 @@ class LLMEngine:
         return batch
 
     def _overlapped_step(self, started: float, outputs: list[RequestOutput]) -> ScheduledBatch:
-        """Launch the next decode step behind the one in flight, then record the one in flight; or, when the
-        next step cannot be launched so, record the one in flight and schedule as :meth:`_step` does (launching
-        a plain decode step rather than running it)."""
+        """Launch the next step behind the one in flight, then record the one in flight; or, when the next step
+        cannot be launched so, record the one in flight and schedule as :meth:`_step` does (launching the step
+        rather than running it when its sequences allow)."""
         launched = self._launched
         if launched is not None:
-            queued = self._next_decodes(launched)
-            if queued is not None:  # (its sequences were all in ``launched``: scheduled before, no co-samples)
+            queued = self._schedule_behind(launched, started)
+            if queued is not None:
                 self._launch(queued, launched)
                 self._land(launched, outputs, queued)
                 return queued
@@ -374,40 +374,47 @@ class LLMEngine:
         if not batch.seqs:
             return batch
         co_samples = self._co_samples(batch, started)
-        if not co_samples and is_plain_decode(batch) and all(launchable(seq) for seq in batch.seqs):
+        if not co_samples and all(overlappable(seq) for seq in batch.seqs):
             self._launch(batch)
         else:
             self._run(batch, started, outputs, co_samples)
         return batch
 
-    def _next_decodes(self, launched: LaunchedStep) -> ScheduledBatch | None:
-        """The decode step to launch behind ``launched``: its sequences that go on past it for sure (all but
-        those it takes to ``max_tokens``), one token each; ``None`` when the engine must take ``launched`` back
-        first (a request waits for a free slot, a running sequence is not in it, the KV blocks run short)."""
+    def _schedule_behind(self, launched: LaunchedStep, started: float) -> ScheduledBatch | None:
+        """The step to launch behind ``launched``: its sequences but those it takes to ``max_tokens``, the other
+        running ones and newcomers, all :func:`overlappable`; ``None`` when the engine must take ``launched``
+        back first (a sequence that cannot overlap is running or first in line for a free slot, or the KV
+        blocks run short)."""
         scheduler = self.scheduler
-        if scheduler.can_admit():
+        in_flight = launched.computed_to
+        if any(seq.seq_id not in in_flight and not overlappable(seq) for seq in scheduler.running):
             return None
-        ids = {seq.seq_id for seq in launched.batch.seqs}
-        if any(seq.seq_id not in ids for seq in scheduler.running):
+        if scheduler.can_admit() and not overlappable(scheduler.waiting[0]):
             return None
-        seqs = [seq for seq in launched.batch.seqs
-                if not seq.is_finished and seq.num_generated_tokens < seq.params.max_tokens]
-        if not seqs or len(seqs) > scheduler.max_num_batched_tokens:
-            return None
-        return scheduler.schedule_decodes(seqs)
+        row_of = launched.row_of
+        ending = {seq.seq_id for seq in launched.batch.seqs
+                  if seq.seq_id in row_of and seq.num_generated_tokens >= seq.params.max_tokens}
+        batch = scheduler.schedule_behind(ending, overlappable)
+        if batch is not None:
+            for seq in batch.seqs:
+                if seq.seq_id not in in_flight:  # (a newcomer: its request leaves the queue now)
+                    self._requests[seq.request_id].mark_scheduled(started)
+        return batch
 
     def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> None:
-        """Queue ``batch`` on the device (its inputs from ``previous``'s tokens there) and hold a placeholder for
-        each sequence's token; a failure ends the requests of both steps."""
+        """Queue ``batch`` on the device (its drawn inputs from ``previous``'s tokens there) and hold a
+        placeholder for each sampled sequence's token; a failure ends the requests of both steps."""
         try:
             launched = self.runner.launch(batch, self._record_event, previous)
         except Exception as exc:
             self._launched = None
             raise self._step_failed(self._merged(batch, previous), exc) from exc
         self.scheduler.advance(batch)
+        computed_to, row_of = launched.computed_to, launched.row_of
         for seq in batch.seqs:
-            launched.token_at[seq.seq_id] = len(seq.token_ids)
-            seq.token_ids.append(PLACEHOLDER)
+            computed_to[seq.seq_id] = seq.num_computed_tokens
+            if seq.seq_id in row_of:
+                seq.token_ids.append(PLACEHOLDER)
         self._launched = launched
 
     def _land(self, launched: LaunchedStep, outputs: list[RequestOutput], queued: ScheduledBatch | None = None) -> None:
@@ -417,12 +424,17 @@ class LLMEngine:
             result = self.runner.finish(launched)
             now = time.monotonic()
             self._num_computed_tokens += launched.batch.num_tokens
+            computed_to, commit = launched.computed_to, self.block_manager.commit
+            if launched.batch.num_prefill_tokens:  # (only a prompt chunk is not sampled)
+                for seq in launched.batch.seqs:
+                    if not seq.is_finished and seq.seq_id not in launched.row_of:
+                        commit(seq, computed_to[seq.seq_id])  # a prompt chunk: the blocks it filled, as update does
             for sampled in result.sampled:
                 seq = sampled.seq
                 if seq.is_finished:
                     continue  # aborted while in flight
-                at = launched.token_at[seq.seq_id]
-                self.block_manager.commit(seq, at)  # the blocks its known tokens filled, as a step's update does
+                at = computed_to[seq.seq_id]
+                commit(seq, at)  # the blocks its known tokens filled
                 later = seq.token_ids[at + 1:]  # the placeholder of the step queued behind, if any
                 del seq.token_ids[at:]
                 self._record(sampled, now, outputs)

@@ -82,9 +82,9 @@ class StepResult:
 
 @dataclasses.dataclass
 class LaunchedStep:
-    """A decode step queued on the device whose tokens have not been read back (``scheduler.overlap_steps``).
+    """A step queued on the device whose tokens have not been read back (``scheduler.overlap_steps``).
 
-    ``tokens``: one per batch row, on the device (what the next step's inputs are taken from);
+    ``tokens``: one per sampled sequence, on the device (what the next step's inputs are taken from);
     ``host_tokens``: their non-blocking copy to the host, readable once ``ready`` (an event of the compute
     stream recorded behind that copy) has completed."""
 
@@ -92,11 +92,11 @@ class LaunchedStep:
     tokens: torch.Tensor
     host_tokens: torch.Tensor
     ready: Any
-    #: ``seq_id`` -> row of ``tokens``
+    #: ``seq_id`` -> row of ``tokens``, for the sequences the step samples (the others compute a prompt chunk)
     row_of: dict[int, int]
-    #: ``seq_id`` -> index in the sequence's ``token_ids`` of the placeholder standing for its drawn token
-    #: (set by the engine)
-    token_at: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: ``seq_id`` -> the sequence's computed tokens once the step is done, for every sequence in it; for a
+    #: sampled one also where in its ``token_ids`` the placeholder of its drawn token stands (set by the engine)
+    computed_to: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_size: int, device: torch.device,
@@ -228,28 +228,48 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, record_event: Callable[[], Any],
                previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue a decode step (every sequence one token, each drawing alone; no logprobs) and return without
-        waiting for the device. With ``previous``, every sequence's input token is the one it drew in that step,
-        still on the device (its place in ``token_ids`` holds a placeholder). :meth:`finish` reads the tokens."""
+        """Queue a step (decodes and prompt chunks, each sampled sequence drawing alone; no logprobs) and return
+        without waiting for the device. With ``previous``, a sequence it sampled takes as its input token the
+        one it drew there, still on the device (its place in ``token_ids`` holds a placeholder). :meth:`finish`
+        reads the tokens."""
         inputs = self.prepare(batch)
-        if previous is not None:
-            rows = [previous.row_of[batch.seqs[i].seq_id] for i in inputs.order]
-            inputs.input_ids = previous.tokens.index_select(0, upload(rows, self.device, torch.int64))
+        if inputs.prompt_spans or inputs.draft_rows:
+            raise ValueError("a launched step scores no prompt logprobs and checks no drafts")
+        if previous is not None and previous.row_of:
+            self._take_drawn_tokens(inputs, batch, previous)
         logits = self.compute(inputs)
         seqs = [batch.seqs[i] for i in inputs.sample_rows]
-        if logits is None or len(seqs) != len(batch):
-            raise ValueError("a launched step must be a decode of every sequence in it")
-        tokens, _ = self.sampler.draw(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
+        if logits is None:
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        else:
+            tokens, _ = self.sampler.draw(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
         host_tokens = tokens.to("cpu", non_blocking=True)
         return LaunchedStep(batch, tokens, host_tokens, record_event(), {s.seq_id: j for j, s in enumerate(seqs)})
+
+    def _take_drawn_tokens(self, inputs: StepInputs, batch: ScheduledBatch, previous: LaunchedStep) -> None:
+        """Put in ``inputs`` the tokens ``previous`` drew, on the device, where the host holds placeholders: the
+        one new token of every sequence ``previous`` sampled."""
+        row_of = previous.row_of
+        rows = [row_of.get(batch.seqs[i].seq_id, -1) for i in inputs.order]
+        if -1 not in rows:  # every sequence decodes the token it drew: the step's whole input
+            inputs.input_ids = previous.tokens.index_select(0, upload(rows, self.device, torch.int64))
+            return
+        starts = inputs.attn.query_start_loc
+        at = [(starts[k], row) for k, row in enumerate(rows) if row >= 0]
+        if at:
+            flat, drawn = zip(*at)
+            inputs.input_ids = inputs.input_ids.index_copy(
+                0, upload(list(flat), self.device, torch.int64),
+                previous.tokens.index_select(0, upload(list(drawn), self.device, torch.int64)))
 
     @staticmethod
     def finish(launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (only for them: steps queued after it go on running)."""
         launched.ready.synchronize()
         token_ids = launched.host_tokens.tolist()
-        return StepResult([SampledToken(seq, token_ids[launched.row_of[seq.seq_id]], None)
-                           for seq in launched.batch.seqs])
+        row_of = launched.row_of
+        return StepResult([SampledToken(seq, token_ids[row], None) for seq in launched.batch.seqs
+                           if (row := row_of.get(seq.seq_id)) is not None])
 
     def sample(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor | None,
                co_samples: Mapping[int, list[Sequence]] | None = None,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import deque
-from collections.abc import Set
+from collections.abc import Callable, Set
 
 from kunlun_infer.engine.block_manager import BlockManager
 from kunlun_infer.engine.sequence import Sequence, SequenceStatus
@@ -101,17 +101,37 @@ class Scheduler:
             self._admit_waiting(batch, budget, max_seqs)
         return batch
 
-    def schedule_decodes(self, seqs: list[Sequence]) -> ScheduledBatch | None:
-        """A decode step of exactly ``seqs`` (running, each one token), its KV slots allocated; ``None`` (nothing
-        allocated) when the free blocks do not cover them all: this never preempts. For a step launched while the
-        one before is in flight (``engine/overlap.py``), whose sequences cannot be recomputed yet."""
-        bm = self.block_manager
-        growing = [seq for seq in seqs if seq.num_computed_tokens >= len(seq.block_table) * bm.block_size]
-        if len(growing) > bm.num_free_blocks:  # (one token more needs at most one block more)
-            return None
-        for seq in growing:
-            bm.allocate(seq, 1)
-        return ScheduledBatch(list(seqs), [1] * len(seqs), num_decode_tokens=len(seqs))
+    def schedule_behind(self, busy: Set[int], admit: Callable[[Sequence], bool]) -> ScheduledBatch | None:
+        """The step to launch while the one before is still on the device (``engine/overlap.py``): as
+        :meth:`schedule`, but it never preempts (a sequence in flight cannot be recomputed yet), so ``None``
+        when a running sequence finds no free KV block (the blocks it took stay with their sequences), or when
+        nothing is to run. ``busy``: running sequences left out (those the step in flight ends); waiting
+        sequences join first come first served while ``admit`` accepts them."""
+        bm, size, chunked = self.block_manager, self.block_manager.block_size, self.chunked_prefill
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        budget, prefill, max_seqs = self.max_num_batched_tokens, 0, self.max_num_seqs
+        for seq in self.running:  # (as _add_to_batch, inline: this runs for every sequence of every step)
+            if seq.seq_id in busy:
+                continue
+            if budget <= 0 or len(seqs) >= max_seqs:
+                break
+            computed = seq.num_computed_tokens
+            num_new = len(seq.token_ids) - computed
+            if chunked and num_new > budget:
+                num_new = budget
+            if computed + num_new > len(seq.block_table) * size:  # (a decode mostly has room)
+                if not bm.can_allocate(seq, num_new):
+                    return None
+                bm.allocate(seq, num_new)
+            seqs.append(seq)
+            counts.append(num_new)
+            if computed < seq.num_prompt_tokens:
+                prefill += num_new
+            budget -= num_new
+        batch = ScheduledBatch(seqs, counts, prefill, sum(counts) - prefill)
+        self._admit_waiting(batch, budget, admit=admit)
+        return batch if batch.seqs else None
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, busy: Set[int] = frozenset()) -> bool:
         """Allocate blocks for ``seq``, preempting newer sequences; False if ``seq`` itself was preempted
@@ -126,12 +146,13 @@ class Scheduler:
         self.block_manager.allocate(seq, num_new)
         return True
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, max_seqs: int | None = None) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, max_seqs: int | None = None,
+                       admit: Callable[[Sequence], bool] | None = None) -> None:
         bm = self.block_manager
         max_seqs = self.max_num_seqs if max_seqs is None else max_seqs
         while self.waiting and budget > 0 and len(batch) < max_seqs:
             seq = self.waiting[0]
-            if self._num_slots_taken() + seq.num_slots > self.max_num_seqs:
+            if self._num_slots_taken() + seq.num_slots > self.max_num_seqs or (admit is not None and not admit(seq)):
                 break
             prefix = bm.match_prefix(seq)
             num_new = len(seq) - len(prefix) * bm.block_size
