@@ -19,6 +19,10 @@ Llama-3.2-1B-shaped 1.2B. Per model, in one process:
   also the GPU time of the batch-1 capture's replay alone (the layers);
 - each engine's start: seconds (loading, the KV cache, the start-up
   captures), GPU memory it holds once started and at its peak;
+- with ``--steady N``, the same requests served again with at most ``N`` in
+  flight, the next one added as soon as one finishes: a server's steady
+  stream of arrivals, where new prompts join the decoding batch every few
+  steps;
 - ``--profile`` variants: decode steps at ``--profile-batches`` sizes under
   torch's profiler (the ops with the most host and device time, and how
   busy the device was).
@@ -241,13 +245,31 @@ def serve(llm: Any, prompts: list[list[int]], params: list[Any], final_only: boo
     return [finished[request_id] for request_id in ids]
 
 
+def serve_steady(llm: Any, prompts: list[list[int]], params: list[Any], concurrency: int) -> list[list[int]]:
+    """Each request's output tokens, served with at most ``concurrency`` requests in the engine: the next one is
+    added as soon as one finishes (outputs only when requests finish)."""
+    engine = llm.engine
+    queue = list(zip(prompts, params))
+    queue.reverse()
+    ids: list[str] = []
+    finished: dict[str, list[int]] = {}
+    while queue or engine.has_unfinished():
+        while queue and len(ids) - len(finished) < concurrency:
+            prompt, p = queue.pop()
+            ids.append(engine.add_request(prompt, p, final_only=True))
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.token_ids)
+    return [finished[request_id] for request_id in ids]
+
+
 def gib(nbytes: int) -> float:
     return round(nbytes / 2**30, 3)
 
 
 def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, variant: Variant, overrides: list[str],
          num_blocks: int, device: torch.device, profile_steps: int = 0,
-         profile_batches: tuple[int, ...] = (1,)) -> dict[str, Any]:
+         profile_batches: tuple[int, ...] = (1,), steady: int = 0) -> dict[str, Any]:
     import kunlun_infer as ki
     from kunlun_infer_cuda import ops as cuda_ops
 
@@ -287,6 +309,13 @@ def ours(folder: Path, model: GpuModel, requests: perf_cpu.Requests, variant: Va
         out["seconds"] = time.perf_counter() - start
         assert [len(o) for o in outputs] == requests.output_lens
         out["tokens_per_s"] = requests.useful_tokens / out["seconds"]
+        if steady:
+            start = time.perf_counter()
+            outputs = serve_steady(llm, requests.prompts, params, steady)
+            seconds = time.perf_counter() - start
+            assert [len(o) for o in outputs] == requests.output_lens
+            out["steady"] = {"concurrency": steady, "seconds": seconds,
+                             "tokens_per_s": requests.useful_tokens / seconds}
         out["batch1_ms"] = 1e3 * perf_cpu.decode_steps(llm, 1, 64, 129, model.vocab, seed=5)
         if graphs is not None:
             out["graphs"] = {"captured_sizes": graphs.batch_sizes, "replays": graphs.replays,
@@ -418,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--profile-batches", default="1",
                         help="decode batch sizes profiled (1: 64-token prompts; larger: 512-token prompts)")
+    parser.add_argument("--steady", type=int, default=0,
+                        help="also serve the requests with at most this many in flight (0: not)")
     parser.add_argument("--folder", default="/tmp/kunlun-gpu-models")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--seed", type=int, default=0)
@@ -463,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                              *(["ops.attention=triton"] if args.cpu_dry_run and short != "sdpa" else [])]
                 result = ours(folder, model, requests, variant, overrides, num_blocks, device,
                               args.profile_steps if short in args.profile.split(",") else 0,
-                              tuple(int(b) for b in args.profile_batches.split(",")))
+                              tuple(int(b) for b in args.profile_batches.split(",")), args.steady)
             except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             entry["variants"][label] = result
@@ -474,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
             theirs = entry.get("transformers", {}).get("tokens_per_s")
             vs = f" ({result['tokens_per_s'] / theirs:.2f}x transformers)" if theirs else ""
             replay = f", layers' replay {result['batch1_replay_ms']:.3f} ms" if "batch1_replay_ms" in result else ""
+            if "steady" in result:
+                replay += f", {result['steady']['concurrency']} in flight {result['steady']['tokens_per_s']:.0f} tok/s"
             memory = result.get("memory_after_start_gib", {})
             print(f"{name}: {label}: {result['tokens_per_s']:.0f} tok/s{vs}, start {result['start_seconds']:.1f} s "
                   f"({memory.get('allocated', '-')} GiB, captured {result.get('captured_at_start', '-')}), "
