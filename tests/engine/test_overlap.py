@@ -187,6 +187,32 @@ def test_a_prompt_chunked_behind_a_step_in_flight_feeds_the_prefix_cache(tiny_mo
     assert figures["off"][1] >= 96 + 64 and figures["on"][1] >= 96 + 32
 
 
+def test_aborting_a_newcomer_whose_prompt_chunk_is_in_flight_frees_its_blocks(tiny_model, make_llm):
+    folder = tiny_model("llama")
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    small = {"scheduler__max_num_batched_tokens": 24}
+    want = make_llm(folder, scheduler__overlap_steps="off", **small).generate([prompts()[1]], sp, use_tqdm=False)[0]
+    engine = make_llm(folder, scheduler__overlap_steps="on", **small).engine
+    spy = LaunchSpy(engine)
+    kept = engine.add_request(prompts()[1], sp)
+    engine.step()
+    engine.step()
+    doomed = engine.add_request(prompts()[4], sp)  # 70 tokens: three chunks behind the decodes of ``kept``
+    while spy.prompts_behind < 2:
+        engine.step()
+    launched = engine._launched
+    assert any(seq.request_id == doomed for seq in launched.batch.seqs)  # one of its chunks is in flight
+    assert engine.abort(doomed)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    aborted = next(o for o in outputs if o.request_id == doomed)
+    assert aborted.finish_reason == "abort" and aborted.token_ids == []
+    assert [o for o in outputs if o.request_id == kept][-1].token_ids == want.token_ids
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0
+
+
 def test_aborting_a_request_in_flight_keeps_its_real_tokens_only(tiny_model, make_llm):
     folder = tiny_model("llama")
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
