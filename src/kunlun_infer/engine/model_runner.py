@@ -109,6 +109,15 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
     positions' logits are kept too (speculative decoding).
     """
     order = list(range(len(seqs))) if order is None else list(order)
+    if not num_drafts and all(n == 1 for n in num_new_tokens) and all(
+            seq.num_computed_tokens + 1 == len(seq.token_ids) for seq in seqs):
+        return _decode_inputs(seqs, order, block_size, device)
+    return _flat_inputs(seqs, num_new_tokens, block_size, device, order, num_drafts)
+
+
+def _flat_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_size: int, device: torch.device,
+                 order: list[int], num_drafts: Mapping[int, int] | None) -> StepInputs:
+    """:func:`build_step_inputs` of any step: per-token tensors from per-sequence numbers."""
     starts = [seqs[i].num_computed_tokens for i in order]
     counts = [num_new_tokens[i] for i in order]
     input_ids: list[int] = []
@@ -145,6 +154,21 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
             logits_indices = torch.cat([logits_indices, torch.tensor(extra, dtype=torch.int64)])
     return StepInputs(upload(input_ids, device, torch.int64), upload(positions, device), step,
                       upload(logits_indices, device), sample_rows, spans, draft_rows, order)
+
+
+def _decode_inputs(seqs: list[Sequence], order: list[int], block_size: int, device: torch.device) -> StepInputs:
+    """:func:`build_step_inputs` of a step where every sequence computes its last token and samples the next
+    (a decode step, the commonest): the same inputs from plain lists, without the tensor work chunks need."""
+    starts = [seqs[i].num_computed_tokens for i in order]
+    input_ids = [seqs[i].token_ids[start] for i, start in zip(order, starts)]
+    tables = [list(seqs[i].block_table) for i in order]
+    slots = [table[start // block_size] * block_size + start % block_size for table, start in zip(tables, starts)]
+    step = AttentionStep(block_size, [1] * len(order), starts, tables, slots, device)
+    flat_of_row = [0] * len(order)  # each batch row's one token, where it lies in the flat batch
+    for flat, row in enumerate(order):
+        flat_of_row[row] = flat
+    return StepInputs(upload(input_ids, device, torch.int64), upload(starts, device, torch.int64), step,
+                      upload(flat_of_row, device, torch.int64), list(range(len(order))), [], {}, order)
 
 
 def _slots(tables: list[list[int]], starts: list[int], counts: list[int], block_size: int) -> list[int]:
