@@ -169,6 +169,26 @@ def test_newcomers_that_cannot_overlap_take_the_step_in_flight_back_and_are_serv
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+def test_a_prompt_alone_comes_in_chunks_each_launched_behind_the_one_before(tiny_model, make_llm):
+    folder = tiny_model("llama")
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    small = {"scheduler__max_num_batched_tokens": 24}  # 70 tokens: chunks of 24, 24 and 22, none sampled but the last
+    want = results(make_llm(folder, scheduler__overlap_steps="off", **small).generate([prompts()[4]], sp,
+                                                                                     use_tqdm=False))
+    llm = make_llm(folder, scheduler__overlap_steps="on", **small)
+    sampled = []
+    finish = llm.engine.runner.finish
+
+    def counting(launched):
+        sampled.append(len(launched.row_of))
+        return finish(launched)
+
+    llm.engine.runner.finish = counting
+    spy = LaunchSpy(llm.engine)
+    assert results(llm.generate([prompts()[4]], sp, use_tqdm=False)) == want
+    assert spy.prompts_behind == 2 and sampled[:2] == [0, 0]  # two chunks in flight drew no token
+
+
 def test_a_prompt_chunked_behind_a_step_in_flight_feeds_the_prefix_cache(tiny_model, make_llm):
     folder = tiny_model("llama")
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
