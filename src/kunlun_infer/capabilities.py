@@ -415,7 +415,7 @@ class Streams(abc.ABC):
     def asynchronous(self) -> bool:
         """True when kernels called on the compute stream run after the call returns (a GPU's queue), so the
         host can prepare the next step while the device runs this one (hook API 1.7; the engine then overlaps
-        decode steps, ``scheduler.overlap_steps=auto``). False, the default: every kernel has run when it
+        steps, ``scheduler.overlap_steps=auto``). False, the default: every kernel has run when it
         returns, as on a host CPU."""
         return False
 

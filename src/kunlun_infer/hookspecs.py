@@ -155,13 +155,14 @@ Changes
     as the reference ``store_kv`` always did) and whose outputs are
     dropped. Nothing changes while the option is unset, so a 1.5 plugin
     loads and runs unchanged.
-    1.7 — overlapped decode steps. ``Streams.asynchronous`` (a property,
+    1.7 — overlapped steps. ``Streams.asynchronous`` (a property,
     default ``False``) says that kernels called on the compute stream run
     after the call returns. Where it is ``True`` the engine launches a
-    decode step before the step in flight has come back to the host (its
-    input tokens are taken on the device from that step's sampled tokens;
-    ``scheduler.overlap_steps``), and reads each step's tokens back through
-    a non-blocking copy and an event of the compute stream: a plugin that
+    step (decodes, prompt chunks) before the step in flight has come back
+    to the host (the input token of a sequence that step sampled is taken
+    on the device from its drawn tokens; ``scheduler.overlap_steps``), and
+    reads each step's tokens back through a non-blocking copy and an event
+    of the compute stream: a plugin that
     says ``True`` must order that copy and its ``record_event`` behind the
     step's kernels, as a device queue does. A 1.6 streams plugin has no such
     property, gets ``False`` and runs every step as before.

@@ -62,7 +62,7 @@ def check_streams(streams: Streams) -> None:
 
 
 def check_readback(streams: Streams, device: torch.device) -> None:
-    """What an overlapped decode step relies on (``scheduler.overlap_steps``): device results copied to the host
+    """What an overlapped step relies on (``scheduler.overlap_steps``): device results copied to the host
     without blocking, then an event of the compute stream recorded, hold their values once the event completes,
     while work queued after the event runs on; and ``asynchronous`` is a bool. Any plugin must pass this (the
     engine may be asked to overlap, ``on``); one whose ``asynchronous`` is true is relied on for it."""
