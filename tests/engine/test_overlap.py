@@ -324,12 +324,16 @@ def test_auto_follows_the_streams_plugin(tiny_model, make_llm, monkeypatch, capl
     folder = tiny_model("llama")
     assert cpu_streams.SyncStreams().asynchronous is False  # a streams plugin without the 1.7 property
     with caplog.at_level("INFO", logger="kunlun_infer.framework"):
-        assert make_llm(folder).engine.overlap is False  # auto, and the sync streams run every kernel at once
+        engine = make_llm(folder).engine
+        assert engine.overlap is False  # auto, and the sync streams run every kernel at once
+    assert engine.runner.sampler.waits_are_free  # top-k/top-p may read back mid-draw: nothing is queued
     assert "engine ready" in caplog.text and "overlapped" not in caplog.text
     monkeypatch.setattr(cpu_streams.SyncStreams, "asynchronous", property(lambda self: True))
     caplog.clear()
     with caplog.at_level("INFO", logger="kunlun_infer.framework"):
-        assert make_llm(folder).engine.overlap is True
+        engine = make_llm(folder).engine
+        assert engine.overlap is True
+    assert not engine.runner.sampler.waits_are_free  # filters sort on the device rather than wait for it
     assert "steps overlapped (scheduler.overlap_steps)" in caplog.text  # the start-up log says so
     assert make_llm(folder, scheduler__overlap_steps="off").engine.overlap is False
 

@@ -100,9 +100,11 @@ def test_regex_and_choice_answers_always_match(client):
         model="default", prompt="date = ", max_tokens=20, temperature=1.0, seed=seed,
         extra_body={"guided_regex": regex}) for seed in range(20)])
     choice_answers = in_parallel([lambda seed=seed: client.chat.completions.create(
-        model="default", messages=PROMPT, max_tokens=10, temperature=1.5, seed=seed,
+        model="default", messages=PROMPT, max_tokens=16, temperature=1.5, seed=seed,
         extra_body={"guided_choice": choices}) for seed in range(20)])
     assert all(re.fullmatch(regex, a.choices[0].text) for a in regex_answers)
+    # room for the longest choice spelt a character a token (11), then the stop token: every answer ends
+    assert all(a.choices[0].finish_reason == "stop" for a in choice_answers)
     picked = [a.choices[0].message.content for a in choice_answers]
     assert set(picked) <= set(choices) and len(set(picked)) > 1
 

@@ -152,7 +152,8 @@ class LLMEngine:
             config=cfg.get("structured") or OmegaConf.structured(StructuredConfig), runtime=rt,
             tokenizer=self.tokenizer.backend if self.tokenizer is not None else None, vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids, torch_device=self.device)
-        sampler = Sampler(torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)), self.structured)
+        sampler = Sampler(torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)), self.structured,
+                          waits_are_free=not rt.streams.asynchronous)
         runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class
         self.runner = runner_class(model, device=self.device, block_size=self.block_size, sampler=sampler,
                                    memory=rt.memory)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.engine.sampler import draw_row
 
 
 def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
@@ -41,8 +42,8 @@ def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
         leftover = leftover.clamp_(min=0)
         if float(leftover.sum()) <= 0:
             leftover = probs[j]
-        return drafts[:j] + [int(torch.multinomial(leftover, 1, generator=generator))]
-    return drafts + [int(torch.multinomial(probs[d], 1, generator=generator))]
+        return drafts[:j] + [draw_row(leftover, generator)]
+    return drafts + [draw_row(probs[d], generator)]
 
 
 def _point_mass(row: torch.Tensor, token: int) -> torch.Tensor:

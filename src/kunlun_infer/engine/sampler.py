@@ -4,14 +4,22 @@ First the logits are reshaped for the rows that ask: penalties over the
 tokens each sequence has seen (repetition: prompt and output; presence and
 frequency: output), counted with one scatter over all rows, and EOS/stop
 tokens masked while a row is short of ``min_tokens``. Greedy rows take the
-argmax. Sampled rows are divided by their temperature,
-filtered by top-k and top-p (one sort shared by both filters, only when a
-row asks for them) and drawn with the exponential-race trick: the argmax of
-``probs / q`` with ``q ~ Exp(1)`` is a draw from ``probs``; ``min_p`` drops
-tokens below ``min_p`` times a row's top probability just before the draw. The noise ``q``
-of a row with a ``seed`` comes from that request's own generator, so its
-tokens do not depend on what else is in the batch; other rows share the
-engine's generator. Rows whose sequence carries a structured-output
+argmax. Sampled rows are divided by their temperature and
+filtered by top-k and top-p, only when a row asks for them: on a device the
+host waits for at no cost (``Streams.asynchronous`` false: the CPU), each
+such row's nucleus is looked for among its likeliest tokens
+(``CANDIDATE_WIDTHS``, then the whole vocabulary); on an asynchronous device,
+where reading back mid-draw would stall the queue, one sort of the vocabulary
+serves both filters. ``min_p`` drops tokens below ``min_p`` times a row's top
+probability. Then each row is drawn by inverse transform sampling with two
+uniforms (:func:`draw_from`): one picks a block of ``DRAW_BLOCK`` tokens by
+their sums, one a token within it, so float32 running sums stay exact to a
+block's share and no token of zero probability is ever drawn; it costs a few
+passes over the row, where one exponential variate per token (the
+exponential race) cost ~15 ns each on a CPU core: 20 ms a step for eight
+rows of a 150k vocabulary. The uniforms of a row with a ``seed`` come from
+that request's own generator, so its tokens do not depend on what else is in
+the batch; other rows share the engine's generator. Rows whose sequence carries a structured-output
 constraint are masked after the penalties (every such row in one call of the
 engine's logits processor), so only tokens their grammar allows can be drawn.
 Logprobs are those of the model's raw distribution (``log_softmax`` of the
@@ -124,14 +132,119 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+#: widths among which a filtered row's top-k/top-p nucleus is looked for, likeliest tokens first, before the
+#: whole vocabulary is sorted (where the host waits for the device at no cost; see :func:`keep_nucleus`)
+CANDIDATE_WIDTHS = (256, 1024, 8192)
+
+
+def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> None:
+    """Zero, in place, each row's ``weights`` (``[n, vocab]``, non-negative, ordered as its logits) outside its
+    top-k / top-p nucleus: what :func:`apply_top_k_top_p` keeps, found without sorting the vocabulary.
+
+    ``top_k[i]`` (0 = off) and ``top_p[i]`` (1 = off) per row. Each row's
+    nucleus is looked for among its ``CANDIDATE_WIDTHS`` heaviest tokens
+    (``topk``), then among all: a row is done with a width once its nucleus
+    closes inside it (top-k: its ``k`` tokens and the ties of the ``k``-th;
+    top-p: the candidates hold ``top_p`` of the mass, so a token past them has
+    at least that much before it), which the host reads; so this is for
+    devices it waits for at no cost. A row's widths depend on its own weights
+    only: its result is the same in any batch.
+    """
+    rows, vocab = weights.shape
+    device = weights.device
+    pending = list(range(rows))
+    whole = row_sums(weights)  # the mass top-p measures against, where no top-k comes first
+    for width in (*(w for w in CANDIDATE_WIDTHS if w < vocab), vocab):
+        index = torch.tensor(pending, device=device)
+        values, ids = (weights if len(pending) == rows else weights.index_select(0, index)).topk(width, dim=-1)
+        kth = torch.tensor([top_k[i] if 0 < top_k[i] <= width else width for i in pending], device=device)
+        kth_value = values.gather(1, kth.sub_(1).unsqueeze(1))
+        values = values * (values >= kth_value)  # top-k, ties kept
+        mass = values.cumsum(dim=-1)
+        with_k = torch.tensor([0 < top_k[i] for i in pending], device=device).unsqueeze(1)
+        p = torch.tensor([float(top_p[i]) for i in pending], device=device, dtype=weights.dtype).unsqueeze(1)
+        total = torch.where(with_k, mass[:, -1:], whole.index_select(0, index).unsqueeze(1))
+        # a top-k row is done once its k-th token's ties end inside the width (or nothing past it weighs: its
+        # weights fall with its logits), a top-p-only row once the candidates hold top_p of the mass
+        closed = torch.where(with_k, (values[:, -1:] < kth_value) | (kth_value == 0),
+                             mass[:, -1:] >= p * total).squeeze(1).tolist()
+        # the mass before a token is short of top_p: it is in the nucleus (top_p = 1: every token is)
+        keep = ((mass - values) < p * total) | (p >= 1)
+        keep[:, 0] = True
+        done = [j for j, ok in enumerate(closed) if ok or width == vocab]
+        if done:
+            at = torch.tensor(done, device=device)
+            target = index.index_select(0, at)
+            weights.index_fill_(0, target, 0.0)
+            weights[target.unsqueeze(1), ids.index_select(0, at)] = (values * keep).index_select(0, at)
+        pending = [i for i, ok in zip(pending, closed) if not ok and width != vocab]
+        if not pending:
+            return
+
+
+def row_sums(weights: torch.Tensor) -> torch.Tensor:
+    """Each row's sum (``[n]``), added up by blocks of ``DRAW_BLOCK`` then across them, so that a row's sum is
+    the same bits in any batch (one reduction over a long row may split it between threads)."""
+    return _block_sums(weights).sum(dim=-1)
+
+
+#: a draw over a wider row first picks a block of this many tokens by their sums, then a token in it: float32
+#: running sums over a block stay exact to ~1e-7 of its share, where one over a 150k vocabulary would not
+DRAW_BLOCK = 1024
+
+
+def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of non-negative ``weights`` (``[n, w]``), index ``i`` with probability ``weights[i]`` over
+    the row's sum, as ``u`` (``[n]``, uniform in [0, 1)) falls in its running sum; never an index of weight 0
+    (rounding that pushes ``u`` to the end takes the last positive one)."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    index = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
+    last = torch.searchsorted(cdf, total)  # the first index reaching the total: the last positive weight
+    return torch.minimum(index, last).clamp_(max=weights.shape[-1] - 1).squeeze(1)
+
+
+def _block_sums(weights: torch.Tensor) -> torch.Tensor:
+    """``[n, ceil(vocab / DRAW_BLOCK)]``: each row's sums over consecutive blocks of ``DRAW_BLOCK`` tokens."""
+    n, vocab = weights.shape
+    full = vocab // DRAW_BLOCK  # whole blocks; the last, shorter one is summed on its own
+    sums = weights[:, :full * DRAW_BLOCK].reshape(n, full, DRAW_BLOCK).sum(dim=-1)
+    if full * DRAW_BLOCK < vocab:
+        sums = torch.cat([sums, weights[:, full * DRAW_BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
+    return sums
+
+
+def draw_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``weights`` (``[n, vocab]``, non-negative, any scale), drawn with probability
+    proportional to its entry, by inverse transform from two uniforms per row (``[n, 2]``): the first picks a
+    block of ``DRAW_BLOCK`` tokens by their sums, the second a token within it. Nothing waits for the device."""
+    n, vocab = weights.shape
+    if vocab <= DRAW_BLOCK:
+        return _pick(weights, uniforms[:, 0])
+    block = _pick(_block_sums(weights), uniforms[:, 0])
+    index = block.unsqueeze(1) * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=weights.device)
+    within = weights.gather(1, index.clamp(max=vocab - 1)) * (index < vocab)  # past the vocabulary: weight 0
+    return block * DRAW_BLOCK + _pick(within, uniforms[:, 1])
+
+
+def draw_row(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One index of ``probs`` (``[vocab]``) drawn as :func:`draw_from` draws, with ``generator``'s uniforms
+    (the host waits for it)."""
+    return int(draw_from(probs.unsqueeze(0), torch.rand(1, 2, generator=generator, device=probs.device))[0])
+
+
 class Sampler:
     """Turns a ``[N, vocab]`` float32 logits tensor into tokens for N requests."""
 
-    def __init__(self, generator: torch.Generator, structured: Any = None) -> None:
-        #: noise for rows without a seed of their own
+    def __init__(self, generator: torch.Generator, structured: Any = None, *, waits_are_free: bool = False) -> None:
+        #: the uniforms of rows without a seed of their own
         self.generator = generator
         #: the engine's :class:`~kunlun_infer.engine.structured.StructuredOutputs` (masks constrained rows)
         self.structured = structured
+        #: the host may read the device's results mid-draw at no cost (``Streams.asynchronous`` false): top-k and
+        #: top-p then look for each row's nucleus among its likeliest tokens (:func:`keep_nucleus`) instead of
+        #: sorting the vocabulary, which keeps an asynchronous device's queue free of waits
+        self.waits_are_free = waits_are_free
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
@@ -152,10 +265,13 @@ class Sampler:
             if self.structured is None:
                 raise ValueError("the sampler needs the engine's structured outputs to mask constrained rows")
             self.structured.apply(processed, histories)
-        greedy_tokens = processed.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy_tokens, processed
-        return self._sample(processed, params, generators, device, greedy_tokens), processed
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return processed.argmax(dim=-1), processed
+        sampled = draw_from(self.weights(processed, params), self.uniforms(params, generators, device))
+        if any(greedy):
+            sampled = torch.where(upload(greedy, device), processed.argmax(dim=-1), sampled)
+        return sampled, processed
 
     @staticmethod
     def _process(logits: torch.Tensor, params: list[SamplingParams],
@@ -175,40 +291,50 @@ class Sampler:
                                       [histories[i].stop_token_ids for i in short])
         return logits
 
-    @staticmethod
-    def distribution(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """The probabilities a sampled row draws from: temperature, then top-k/top-p, then ``min_p``.
-
-        Greedy rows get their softmax at temperature 1 (they are drawn by argmax).
-        """
+    def weights(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """``[N, vocab]`` non-negative weights proportional to the probabilities a sampled row draws from:
+        temperature, then top-k/top-p, then ``min_p``; greedy rows get temperature 1 (they are drawn by
+        argmax). A new tensor, one pass over the logits: ``exp((logits - max) / temperature)``."""
         device = logits.device
         temperature = upload([p.temperature if not p.greedy else 1.0 for p in params], device, logits.dtype)
-        # a huge penalty or a tiny temperature can push logits to +inf, and softmax of inf is NaN
-        scaled = (logits / temperature.unsqueeze(1)).clamp_(max=torch.finfo(logits.dtype).max)
-        top_k = top_p = None
-        if any(p.top_k > 0 for p in params):
-            vocab = logits.shape[-1]  # a larger top_k keeps everything (and may not fit an int64)
-            top_k = upload([min(p.top_k, vocab) for p in params], device, torch.int64)
-        if any(p.top_p < 1 for p in params):
-            top_p = upload([p.top_p for p in params], device, logits.dtype)
-        if top_k is not None or top_p is not None:
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
+        filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
+        vocab = logits.shape[-1]  # a larger top_k keeps everything (and may not fit an int64)
+        if filtered and not self.waits_are_free:  # one sort of the vocabulary serves both filters
+            top_k = upload([min(p.top_k, vocab) for p in params], device, torch.int64) \
+                if any(p.top_k > 0 for p in params) else None
+            top_p = upload([p.top_p for p in params], device, logits.dtype) if any(p.top_p < 1 for p in params) \
+                else None
+            # a huge penalty or a tiny temperature can push logits to +inf, and softmax of inf is NaN
+            scaled = (logits / temperature.unsqueeze(1)).clamp_(max=torch.finfo(logits.dtype).max)
+            weights = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+        else:
+            # at most 1 (the max, or a logit pushed to +inf by a huge penalty); never NaN
+            top = logits.amax(dim=-1, keepdim=True).clamp_(max=torch.finfo(logits.dtype).max)
+            weights = torch.sub(logits, top).div_(temperature.unsqueeze(1)).clamp_(max=0.0).exp_()
+            if filtered:
+                rows = upload(filtered, device, torch.int64)
+                part = weights if len(filtered) == len(params) else weights.index_select(0, rows)
+                keep_nucleus(part, [min(params[i].top_k, vocab) for i in filtered], [params[i].top_p for i in filtered])
+                if part is not weights:
+                    weights.index_copy_(0, rows, part)
         if any(p.min_p > 0 for p in params):
-            probs = apply_min_p(probs, upload([p.min_p for p in params], device, probs.dtype))
-        return probs
+            weights = apply_min_p(weights, upload([p.min_p for p in params], device, weights.dtype))
+        return weights
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None], device: torch.device,
-                greedy_tokens: torch.Tensor) -> torch.Tensor:
-        is_greedy = upload([p.greedy for p in params], device)
-        probs = self.distribution(logits, params)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+    def distribution(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The probabilities a sampled row draws from (:meth:`weights`, each row summing to 1)."""
+        weights = self.weights(logits, params)
+        return weights.div_(row_sums(weights).unsqueeze(1))
+
+    def uniforms(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                 device: torch.device) -> torch.Tensor:
+        """``[N, 2]`` uniforms for :func:`draw_from`: a seeded sampled row's from its own generator, the
+        others' from the engine's."""
+        uniforms = torch.rand(len(params), 2, generator=self.generator, device=device)
         for row, generator in enumerate(generators):
             if generator is not None and not params[row].greedy:
-                noise[row].exponential_(generator=generator)
-        sampled = probs.div_(noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+                uniforms[row] = torch.rand(2, generator=generator, device=device)
+        return uniforms
 
     @staticmethod
     def logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor,

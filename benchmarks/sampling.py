@@ -1,0 +1,153 @@
+"""The sampler's cost per step on the host CPU, against transformers' sampling on the same logits.
+
+A decode step of a sampled (temperature > 0) request ends with turning a
+row of logits over the whole vocabulary into a token. This times the
+engine's ``Sampler.draw`` (temperature, top-k/top-p, min_p, the draw) for
+``--batches`` rows of a ``--vocab``-wide vocabulary (Qwen2's 151936 by
+default), in the parameter sets chat clients send, beside what
+transformers' ``generate(do_sample=True)`` does per step on the same logits
+(its temperature / top-k / top-p / min-p warpers, softmax and
+``torch.multinomial``), in turns; with ``--before REV`` also the engine's
+sampler as it was at a git revision. Rows are Zipf-like (a likelihood
+falling as rank^-s, s drawn per row in [1.0, 1.6], in shuffled order), so
+top-p's nucleus ranges from tens to thousands of tokens, as a language
+model's does. Medians in milliseconds, with the CPU model and ISA::
+
+    python benchmarks/sampling.py
+    python benchmarks/sampling.py --batches 1,8,32,128 --before HEAD~1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
+
+REPO = Path(__file__).resolve().parent.parent
+#: name -> SamplingParams keywords: what chat clients commonly send
+CASES = {
+    "temperature 0.7": dict(temperature=0.7),
+    "top_p 0.9": dict(temperature=0.7, top_p=0.9),
+    "top_k 50": dict(temperature=0.7, top_k=50),
+    "top_k 20, top_p 0.8": dict(temperature=0.7, top_k=20, top_p=0.8),
+    "min_p 0.05": dict(temperature=1.0, min_p=0.05),
+    "seeded": dict(temperature=0.7, seed=1),
+}
+
+
+def zipf_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    log_rank = torch.arange(1, vocab + 1, dtype=torch.float32).log()
+    slopes = 1.0 + 0.6 * torch.rand(rows, generator=g)
+    out = torch.stack([(-s * log_rank)[torch.randperm(vocab, generator=g)] for s in slopes.tolist()])
+    return out + 0.05 * torch.randn(rows, vocab, generator=g)
+
+
+def transformers_step(kwargs: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What ``generate(do_sample=True)`` runs on a step's logits with these settings."""
+    import transformers as tf
+
+    warpers = tf.LogitsProcessorList()
+    if kwargs.get("temperature", 1.0) != 1.0:
+        warpers.append(tf.TemperatureLogitsWarper(kwargs["temperature"]))
+    if kwargs.get("top_k"):
+        warpers.append(tf.TopKLogitsWarper(kwargs["top_k"]))
+    if kwargs.get("top_p", 1.0) < 1.0:
+        warpers.append(tf.TopPLogitsWarper(kwargs["top_p"]))
+    if kwargs.get("min_p"):
+        warpers.append(tf.MinPLogitsWarper(kwargs["min_p"]))
+    generator = torch.Generator().manual_seed(0)
+
+    def step(logits: torch.Tensor) -> torch.Tensor:
+        scores = warpers(None, logits)
+        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+    return step
+
+
+def engine_step(sampler_module: Any, kwargs: dict[str, Any], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    from kunlun_infer.engine.params import SamplingParams
+
+    try:
+        sampler = sampler_module.Sampler(torch.Generator().manual_seed(0), waits_are_free=True)
+    except TypeError:  # a revision from before the nucleus search: it always sorts
+        sampler = sampler_module.Sampler(torch.Generator().manual_seed(0))
+    params = [SamplingParams(**kwargs)] * rows
+    generators = [torch.Generator().manual_seed(i) if "seed" in kwargs else None for i in range(rows)]
+    return lambda logits: sampler.draw(logits, params, generators)[0]
+
+
+def sampler_at(rev: str, into: Path) -> Any:
+    """The engine's sampler module as it was at git revision ``rev``."""
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:src/kunlun_infer/engine/sampler.py"],
+                            check=True, capture_output=True, text=True).stdout
+    path = into / "sampler_before.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("sampler_before", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["sampler_before"] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def in_turns(calls: dict[str, Callable[[torch.Tensor], torch.Tensor]], logits: torch.Tensor,
+             turns: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call(logits)  # first calls
+    for _ in range(turns):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call(logits)
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(values) for name, values in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--turns", type=int, default=15)
+    parser.add_argument("--before", default=None, metavar="REV", help="also time the sampler at this git revision")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    from kunlun_infer.engine import sampler as current
+
+    facts = machine.facts()
+    print(machine.describe(facts))
+    results: dict[str, Any] = {"machine": facts, "vocab": args.vocab, "milliseconds": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = sampler_at(args.before, Path(tmp)) if args.before else None
+        names = ["kunlun_infer", "transformers"] + ([f"at {args.before}"] if before else [])
+        print(f"{'rows':>4}  {'parameters':<20}" + "".join(f"{n:>16}" for n in names) + f"{'ratio':>8}")
+        for rows in (int(b) for b in args.batches.split(",")):
+            logits = zipf_logits(rows, args.vocab, seed=rows)
+            for case, kwargs in CASES.items():
+                calls = {"kunlun_infer": engine_step(current, kwargs, rows), "transformers": transformers_step(kwargs)}
+                if before is not None:
+                    calls[f"at {args.before}"] = engine_step(before, kwargs, rows)
+                figures = in_turns(calls, logits, args.turns)
+                results["milliseconds"].setdefault(rows, {})[case] = figures
+                ratio = figures["transformers"] / figures["kunlun_infer"]
+                print(f"{rows:>4}  {case:<20}" + "".join(f"{figures[n]:>16.3f}" for n in names) + f"{ratio:>7.1f}x",
+                      flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
