@@ -39,12 +39,12 @@ import machine  # noqa: E402  (a sibling file: what every benchmark records of t
 REPO = Path(__file__).resolve().parent.parent
 #: name -> SamplingParams keywords: what chat clients commonly send
 CASES = {
-    "temperature 0.7": dict(temperature=0.7),
-    "top_p 0.9": dict(temperature=0.7, top_p=0.9),
-    "top_k 50": dict(temperature=0.7, top_k=50),
-    "top_k 20, top_p 0.8": dict(temperature=0.7, top_k=20, top_p=0.8),
-    "min_p 0.05": dict(temperature=1.0, min_p=0.05),
-    "seeded": dict(temperature=0.7, seed=1),
+    "temperature 0.7": {"temperature": 0.7},
+    "top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
+    "top_k 50": {"temperature": 0.7, "top_k": 50},
+    "top_k 20, top_p 0.8": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
+    "min_p 0.05": {"temperature": 1.0, "min_p": 0.05},
+    "seeded": {"temperature": 0.7, "seed": 1},
 }
 
 

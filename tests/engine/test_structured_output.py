@@ -88,6 +88,53 @@ def test_each_sample_of_n_keeps_its_own_state(tiny_model, make_llm):
     assert len({o.text for o in outs}) > 1  # sampled, not copies of one state
 
 
+def test_sampled_strings_stay_well_formed_utf8_and_within_their_max_length(tiny_model, make_llm):
+    """xgrammar counts a 3-byte UTF-16 surrogate (ED A0-BF xx) as one character of a JSON string; the
+    plugin's own UTF-8 row keeps such bytes out, so no string decodes to replacement characters past its
+    ``maxLength``."""
+    llm = make_llm(tiny_model("qwen2"))
+    outs = [out for seed in range(12) for out in llm.generate(
+        [PROMPT], SamplingParams(n=4, max_tokens=120, temperature=1.0, seed=seed, structured={"json": SCHEMA}),
+        use_tqdm=False)]
+    assert len(outs) == 48
+    for out in outs:
+        assert out.finish_reason == "stop" and "\ufffd" not in out.text, out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert any(max(map(ord, out.text)) > 0x7F for out in outs)  # multi-byte characters were drawn
+
+
+def test_the_utf8_state_refuses_malformed_bytes_and_rolls_back():
+    from kunlun_infer.plugins.xgrammar_processor import UTF8_READY, XGrammarState, utf8_after
+
+    for text in ["a", "é", "€", "😀", "日本", "\U0010ffff"]:
+        assert utf8_after(UTF8_READY, text.encode()) == UTF8_READY
+    for bad in [b"\xed\xa0\x80", b"\xe0\x80\x80", b"\xc0\x80", b"\xf4\x90\x80\x80", b"\x80", b"\xf5", b"\xe2a"]:
+        assert utf8_after(UTF8_READY, bad) is None, bad
+    assert utf8_after(UTF8_READY, b"\xe2\x82") == (1, 0x80, 0xBF)  # a character begun, not yet malformed
+    assert utf8_after(UTF8_READY, b"\xed") == (2, 0x80, 0x9F)  # after ED only what stays below the surrogates
+
+    class Matcher:
+        def __init__(self):
+            self.tokens = []
+
+        def accept_token(self, token):
+            self.tokens.append(token)
+            return True
+
+        def rollback(self, n):
+            del self.tokens[-n:]
+
+    token_bytes = [b"a", b"\xe2", b"\x82", b"\xac", b"\xed", b"\xa0", b"\x9f", b""]
+    state = XGrammarState(Matcher(), None, token_bytes, always=frozenset({7}))
+    assert state.accept(1) and state.accept(2) and state.utf8[-1] == (1, 0x80, 0xBF)
+    assert not state.accept(0) and state.matcher.tokens == [1, 2]  # "a" inside a character: refused, unchanged
+    assert state.accept(7) and state.accept(3) and state.utf8[-1] == UTF8_READY  # a stop token has no bytes
+    state.rollback(3)
+    assert state.utf8[-1] == (2, 0x80, 0xBF) and state.matcher.tokens == [1]
+    state.rollback(1)
+    assert state.accept(4) and not state.accept(5) and state.accept(6)  # ED A0 is a surrogate, ED 9F is not
+
+
 def test_regex_choice_and_grammar_hold_under_sampling(tiny_model, make_llm):
     llm = make_llm(tiny_model("llama"))
     choices = ["yes", "no", "ask \"later\"\n", "日本"]

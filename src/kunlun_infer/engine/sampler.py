@@ -218,7 +218,7 @@ def draw_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One index per row of ``weights`` (``[n, vocab]``, non-negative, any scale), drawn with probability
     proportional to its entry, by inverse transform from two uniforms per row (``[n, 2]``): the first picks a
     block of ``DRAW_BLOCK`` tokens by their sums, the second a token within it. Nothing waits for the device."""
-    n, vocab = weights.shape
+    vocab = weights.shape[1]
     if vocab <= DRAW_BLOCK:
         return _pick(weights, uniforms[:, 0])
     block = _pick(_block_sums(weights), uniforms[:, 0])

@@ -5,7 +5,14 @@ tag against the model's vocabulary once (compiled grammars are cached by the
 engine), and a ``GrammarMatcher`` per sequence tracks where its text stands.
 Every step the matchers of the constrained rows fill one int32 bitmask
 together (``BatchGrammarMatcher``, on the host), which the op table's
-``apply_token_bitmask`` applies to the logits on the device. xgrammar is an
+``apply_token_bitmask`` applies to the logits on the device. Two rows of
+this plugin's own are ANDed into a sequence's mask where xgrammar's rules
+are looser than the text they stand for: tokens with raw control
+characters (JSON), and tokens that would make the bytes so far malformed
+UTF-8 (a UTF-16 surrogate, an overlong form, a stray continuation byte):
+xgrammar counts such a 3-byte sequence as one character, so a JSON string
+of ``maxLength: 6`` could hold one that decodes to three replacement
+characters, and a regex's ``.`` a byte that is no text at all. xgrammar is an
 optional dependency (``pip install 'kunlun-infer[structured]'``); it is
 imported when the first structured request arrives.
 """
@@ -43,6 +50,34 @@ def _import_xgrammar() -> Any:
     return xgrammar
 
 
+#: where a sequence's bytes stand in UTF-8 (RFC 3629): how many continuation bytes the character begun still
+#: needs, and the range the next one must fall in
+Utf8State = tuple[int, int, int]
+UTF8_READY: Utf8State = (0, 0x80, 0xBF)
+
+
+def utf8_after(state: Utf8State, data: bytes) -> Utf8State | None:
+    """The state after ``data`` follows ``state``, or ``None`` where the bytes stop being well-formed UTF-8
+    (they may end inside a character: the next token can finish it)."""
+    need, low, high = state
+    for byte in data:
+        if need:
+            if not low <= byte <= high:
+                return None
+            need, low, high = need - 1, 0x80, 0xBF
+        elif byte < 0x80:
+            continue
+        elif 0xC2 <= byte <= 0xDF:
+            need, low, high = 1, 0x80, 0xBF
+        elif 0xE0 <= byte <= 0xEF:  # E0: no overlong forms; ED: no UTF-16 surrogates
+            need, low, high = 2, 0xA0 if byte == 0xE0 else 0x80, 0x9F if byte == 0xED else 0xBF
+        elif 0xF0 <= byte <= 0xF4:  # F0: no overlong forms; F4: nothing past U+10FFFF
+            need, low, high = 3, 0x90 if byte == 0xF0 else 0x80, 0x8F if byte == 0xF4 else 0xBF
+        else:  # a continuation byte with no character begun, C0/C1 (overlong), F5-FF (past Unicode)
+            return None
+    return need, low, high
+
+
 def _ebnf_literal(text: str) -> str:
     """``text`` as an EBNF string literal (JSON's escapes are the grammar's)."""
     return json.dumps(text, ensure_ascii=False)
@@ -57,18 +92,28 @@ class Compiled:
 
 
 class XGrammarState(ConstraintState):
-    """One sequence's ``GrammarMatcher`` (and the bitmask row that forbids raw control characters, if any)."""
+    """One sequence's ``GrammarMatcher``, the bitmask row that forbids raw control characters (if any) and
+    where its bytes stand in UTF-8 (one state per accepted token, for rollbacks)."""
 
-    def __init__(self, matcher: Any, control_mask: torch.Tensor | None) -> None:
+    def __init__(self, matcher: Any, control_mask: torch.Tensor | None, token_bytes: Sequence[bytes],
+                 always: frozenset[int]) -> None:
         self.matcher = matcher
         self.control_mask = control_mask
+        self._token_bytes = token_bytes
+        self._always = always  # stop and special tokens: no text
+        self.utf8: list[Utf8State] = [UTF8_READY]
 
     def accept(self, token_id: int) -> bool:
-        return bool(self.matcher.accept_token(token_id))
+        after = self.utf8[-1] if token_id in self._always else utf8_after(self.utf8[-1], self._token_bytes[token_id])
+        if after is None or not self.matcher.accept_token(token_id):
+            return False
+        self.utf8.append(after)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self.matcher.rollback(num_tokens)
+            del self.utf8[-num_tokens:]
 
 
 class XGrammarProcessor(LogitsProcessor):
@@ -97,6 +142,8 @@ class XGrammarProcessor(LogitsProcessor):
         self.apply_bitmask = context.ops.apply_token_bitmask
         self._bitmask = xgr.allocate_token_bitmask(16, self.vocab_size)
         self._control_masks: dict[frozenset[int], torch.Tensor] = {}
+        self._always = frozenset(self.info.special_token_ids) | frozenset(self.info.stop_token_ids)
+        self._utf8_masks: dict[Utf8State, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ compile
 
@@ -154,14 +201,23 @@ class XGrammarProcessor(LogitsProcessor):
         """
         if allowed not in self._control_masks:
             bad = frozenset(range(0x20)) - allowed
-            keep = set(self.info.special_token_ids) | set(self.info.stop_token_ids)
-            allowed_tokens = torch.ones(self._bitmask.shape[1] * 32, dtype=torch.bool)
-            for token, text in enumerate(self.info.decoded_vocab):
-                if token not in keep and not bad.isdisjoint(text):
-                    allowed_tokens[token] = False
-            bits = allowed_tokens.view(-1, 32).to(torch.int64) << torch.arange(32)
-            self._control_masks[allowed] = bits.sum(-1).to(torch.int32)  # int64 sum wraps into int32 bits
+            self._control_masks[allowed] = self._mask_row(lambda text: bad.isdisjoint(text))
         return self._control_masks[allowed]
+
+    def _utf8_mask(self, state: Utf8State) -> torch.Tensor:
+        """A bitmask row allowing the tokens whose bytes keep a text standing at ``state`` well-formed UTF-8."""
+        if state not in self._utf8_masks:
+            self._utf8_masks[state] = self._mask_row(lambda text: utf8_after(state, text) is not None)
+        return self._utf8_masks[state]
+
+    def _mask_row(self, allows: Any) -> torch.Tensor:
+        """A bitmask row of the tokens whose text ``allows(text)`` accepts, stop and special tokens always."""
+        allowed_tokens = torch.ones(self._bitmask.shape[1] * 32, dtype=torch.bool)
+        for token, text in enumerate(self.info.decoded_vocab):
+            if token not in self._always and not allows(text):
+                allowed_tokens[token] = False
+        bits = allowed_tokens.view(-1, 32).to(torch.int64) << torch.arange(32)
+        return bits.sum(-1).to(torch.int32)  # int64 sum wraps into int32 bits
 
     def new_state(self, compiled: Compiled, *, stop_token_ids: frozenset[int]) -> XGrammarState:
         if not stop_token_ids:
@@ -169,7 +225,8 @@ class XGrammarProcessor(LogitsProcessor):
                                field=FIELD)
         matcher = self.xgr.GrammarMatcher(compiled.grammar, override_stop_tokens=sorted(stop_token_ids))
         allowed = compiled.raw_controls_allowed
-        return XGrammarState(matcher, None if allowed is None else self._control_mask(allowed))
+        return XGrammarState(matcher, None if allowed is None else self._control_mask(allowed),
+                             self.info.decoded_vocab, self._always)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[ConstraintState]) -> None:
         if len(rows) > self._bitmask.shape[0]:
@@ -181,6 +238,7 @@ class XGrammarProcessor(LogitsProcessor):
         for i, state in enumerate(states):
             if state.control_mask is not None:  # type: ignore[attr-defined]
                 bitmask[i] &= state.control_mask  # type: ignore[attr-defined]
+            bitmask[i] &= self._utf8_mask(state.utf8[-1])  # type: ignore[attr-defined]
         self.apply_bitmask(logits, bitmask.to(self.device), torch.tensor(list(rows), dtype=torch.int64,
                                                                          device=self.device))
 
