@@ -11,10 +11,16 @@ transformers' ``generate(do_sample=True)`` does per step on the same logits
 sampler as it was at a git revision. Rows are Zipf-like (a likelihood
 falling as rank^-s, s drawn per row in [1.0, 1.6], in shuffled order), so
 top-p's nucleus ranges from tens to thousands of tokens, as a language
-model's does. Medians in milliseconds, with the CPU model and ISA::
+model's does. Medians in milliseconds, with the CPU model and ISA.
+
+``--served``: also the useful tokens per second of ``perf_cpu.py``'s 8
+requests on its random-weight Qwen2-shaped 0.5B model (bf16), greedy and
+sampled, the best of two servings each (a random model's distributions are
+nearly flat: top-p's nucleus there holds most of the vocabulary)::
 
     python benchmarks/sampling.py
     python benchmarks/sampling.py --batches 1,8,32,128 --before HEAD~1
+    python benchmarks/sampling.py --served
 """
 
 from __future__ import annotations
@@ -116,12 +122,40 @@ def in_turns(calls: dict[str, Callable[[torch.Tensor], torch.Tensor]], logits: t
     return {name: 1e3 * statistics.median(values) for name, values in times.items()}
 
 
+def served(model_dir: Path) -> dict[str, float]:
+    """Useful tokens/s of perf_cpu's 8 requests, greedy and with each of ``CASES`` but the seeded one."""
+    import kunlun_infer as ki
+    import perf_cpu
+
+    shape = perf_cpu.SHAPES["0.5b"]
+    folder = perf_cpu.build_model(shape, model_dir / "0.5b")
+    requests = perf_cpu.make_requests(8, shape.vocab, seed=0)
+    out = {}
+    with perf_cpu.open_engine(folder, "bfloat16", []) as llm:
+        for case, kwargs in {"greedy": {"temperature": 0.0}, **CASES}.items():
+            if "seed" in kwargs:
+                continue
+            params = [ki.SamplingParams(max_tokens=n, ignore_eos=True, **kwargs) for n in requests.output_lens]
+            llm.generate(requests.prompts[:2], params[:2], use_tqdm=False)  # first calls
+            best = float("inf")
+            for _ in range(2):
+                start = time.perf_counter()
+                llm.generate(requests.prompts, params, use_tqdm=False)
+                best = min(best, time.perf_counter() - start)
+            out[case] = requests.useful_tokens / best
+            print(f"8 requests, {case:<20} {out[case]:8.1f} tok/s", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--turns", type=int, default=15)
     parser.add_argument("--before", default=None, metavar="REV", help="also time the sampler at this git revision")
+    parser.add_argument("--served", action="store_true", help="also serve perf_cpu.py's 8 requests, sampled")
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "kunlun_infer_perf_cpu",
+                        help="where --served's model is built (or found)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     from kunlun_infer.engine import sampler as current
@@ -144,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = figures["transformers"] / figures["kunlun_infer"]
                 print(f"{rows:>4}  {case:<20}" + "".join(f"{figures[n]:>16.3f}" for n in names) + f"{ratio:>7.1f}x",
                       flush=True)
+    if args.served:
+        results["served_tokens_per_s"] = served(args.model_dir)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
