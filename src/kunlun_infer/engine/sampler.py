@@ -19,9 +19,10 @@ passes over the row, where one exponential variate per token (the
 exponential race) cost ~15 ns each on a CPU core: 20 ms a step for eight
 rows of a 150k vocabulary. The uniforms of a row with a ``seed`` come from
 that request's own generator, so its tokens do not depend on what else is in
-the batch; other rows share the engine's generator. Rows whose sequence carries a structured-output
-constraint are masked after the penalties (every such row in one call of the
-engine's logits processor), so only tokens their grammar allows can be drawn.
+the batch; other rows share the engine's generator. Rows whose sequence
+carries a structured-output constraint are masked after the penalties (every
+such row in one call of the engine's logits processor), so only tokens their
+grammar allows can be drawn.
 Logprobs are those of the model's raw distribution (``log_softmax`` of the
 logits, before penalties, masks, temperature and filters), or with
 ``logprobs_mode="processed"`` of the penalized and masked logits (tokens a
