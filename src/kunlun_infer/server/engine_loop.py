@@ -66,10 +66,25 @@ class Submission:
 def deliver(sub: Any, item: RequestOutput | BaseException) -> None:
     """Hand ``item`` to the handler waiting on ``sub`` (anything with its ``loop``, ``queue`` and ``tag``, as
     :class:`Submission`), from any thread."""
-    try:
-        sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (sub.tag, item))
-    except RuntimeError:  # the handler's event loop is closed: nobody is listening
-        pass
+    deliver_all([(sub, item)])
+
+
+def deliver_all(items: Iterable[tuple[Any, RequestOutput | BaseException]]) -> None:
+    """:func:`deliver` each ``(sub, item)``, in order, waking each handler event loop once for all of them: a
+    wake-up is a write to the loop's self-pipe, and a step of 64 streams would otherwise make 64."""
+    by_loop: dict[Any, list[tuple[asyncio.Queue, Any]]] = {}
+    for sub, item in items:
+        by_loop.setdefault(sub.loop, []).append((sub.queue, (sub.tag, item)))
+    for loop, puts in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, puts)
+        except RuntimeError:  # the handlers' event loop is closed: nobody is listening
+            pass
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, entry in puts:
+        queue.put_nowait(entry)
 
 
 class EngineLoop:
@@ -226,6 +241,7 @@ class EngineLoop:
 
     def _dispatch(self, outputs: Iterable[RequestOutput]) -> None:
         """Hand each output to the queue of the handler that owns its request."""
+        handed: list[tuple[Submission, RequestOutput]] = []
         for output in outputs:
             sub = self._by_request_id.get(output.request_id)
             if sub is None:
@@ -236,7 +252,8 @@ class EngineLoop:
                 sub.samples_left -= 1
                 if sub.samples_left == 0:
                     self._done(sub)
-            deliver(sub, output)
+            handed.append((sub, output))
+        deliver_all(handed)
 
     def _done(self, sub: Submission) -> None:
         if sub.request_id is not None:
@@ -249,5 +266,4 @@ class EngineLoop:
         with self._lock:
             subs, self._in_flight = list(self._in_flight), set()
             self._inbox.clear()
-        for sub in subs:
-            deliver(sub, exc)
+        deliver_all((sub, exc) for sub in subs)
