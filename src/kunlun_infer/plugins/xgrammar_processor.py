@@ -143,6 +143,7 @@ class XGrammarProcessor(LogitsProcessor):
         self._bitmask = xgr.allocate_token_bitmask(16, self.vocab_size)
         self._control_masks: dict[frozenset[int], torch.Tensor] = {}
         self._always = frozenset(self.info.special_token_ids) | frozenset(self.info.stop_token_ids)
+        self._token_bytes = self.info.decoded_vocab  # (xgrammar builds the list anew on every read)
         self._utf8_masks: dict[Utf8State, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ compile
@@ -213,7 +214,7 @@ class XGrammarProcessor(LogitsProcessor):
     def _mask_row(self, allows: Any) -> torch.Tensor:
         """A bitmask row of the tokens whose text ``allows(text)`` accepts, stop and special tokens always."""
         allowed_tokens = torch.ones(self._bitmask.shape[1] * 32, dtype=torch.bool)
-        for token, text in enumerate(self.info.decoded_vocab):
+        for token, text in enumerate(self._token_bytes):
             if token not in self._always and not allows(text):
                 allowed_tokens[token] = False
         bits = allowed_tokens.view(-1, 32).to(torch.int64) << torch.arange(32)
@@ -226,7 +227,7 @@ class XGrammarProcessor(LogitsProcessor):
         matcher = self.xgr.GrammarMatcher(compiled.grammar, override_stop_tokens=sorted(stop_token_ids))
         allowed = compiled.raw_controls_allowed
         return XGrammarState(matcher, None if allowed is None else self._control_mask(allowed),
-                             self.info.decoded_vocab, self._always)
+                             self._token_bytes, self._always)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[ConstraintState]) -> None:
         if len(rows) > self._bitmask.shape[0]:
