@@ -124,8 +124,9 @@ def in_turns(calls: dict[str, Callable[[torch.Tensor], torch.Tensor]], logits: t
 
 def served(model_dir: Path) -> dict[str, float]:
     """Useful tokens/s of perf_cpu's 8 requests, greedy and with each of ``CASES`` but the seeded one."""
-    import kunlun_infer as ki
     import perf_cpu
+
+    import kunlun_infer as ki
 
     shape = perf_cpu.SHAPES["0.5b"]
     folder = perf_cpu.build_model(shape, model_dir / "0.5b")

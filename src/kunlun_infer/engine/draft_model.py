@@ -80,7 +80,8 @@ class DraftModelProposer:
                               f"model.max_model_len={max_model_len}; lower model.max_model_len")
         model = load_model(path, runtime=runtime, dtype=dtype, max_model_len=max_model_len)
         device = runtime.device.torch_device
-        sampler = Sampler(torch.Generator(device=device).manual_seed(seed), waits_are_free=not runtime.streams.asynchronous)
+        sampler = Sampler(torch.Generator(device=device).manual_seed(seed),
+                          waits_are_free=not runtime.streams.asynchronous)
         runner = ModelRunner(model, device=device, block_size=block_size, sampler=sampler, memory=runtime.memory)
         # one rank (see load_proposer): its one-token drafting steps may replay captures
         runner.graphs = step_graphs(runtime, model, max_model_len=max_model_len, block_size=block_size)
