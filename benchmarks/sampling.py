@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,11 @@ CASES = {
     "top_k 20, top_p 0.8": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
     "min_p 0.05": {"temperature": 1.0, "min_p": 0.05},
     "seeded": {"temperature": 0.7, "seed": 1},
+    # Qwen2.5's generation_config.json: what its chat users get by default
+    "Qwen2.5 defaults": {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
 }
+#: the tokens each row has seen, where a case asks for penalties: a prompt and the output so far
+HISTORY = (512, 128)
 
 
 def zipf_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -75,10 +80,18 @@ def transformers_step(kwargs: dict[str, Any]) -> Callable[[torch.Tensor], torch.
         warpers.append(tf.TopPLogitsWarper(kwargs["top_p"]))
     if kwargs.get("min_p"):
         warpers.append(tf.MinPLogitsWarper(kwargs["min_p"]))
+    if kwargs.get("repetition_penalty", 1.0) != 1.0:  # generate() applies it before the warpers
+        warpers.insert(0, tf.RepetitionPenaltyLogitsProcessor(kwargs["repetition_penalty"]))
     generator = torch.Generator().manual_seed(0)
 
+    seen: dict[tuple[int, int], torch.Tensor] = {}  # the token ids each row has seen (for the penalty)
+
     def step(logits: torch.Tensor) -> torch.Tensor:
-        scores = warpers(None, logits)
+        shape = tuple(logits.shape)
+        if shape not in seen:
+            g = torch.Generator().manual_seed(shape[0])
+            seen[shape] = torch.randint(0, shape[1], (shape[0], sum(HISTORY)), generator=g)
+        scores = warpers(seen[shape], logits)
         return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
     return step
@@ -93,7 +106,13 @@ def engine_step(sampler_module: Any, kwargs: dict[str, Any], rows: int) -> Calla
         sampler = sampler_module.Sampler(torch.Generator().manual_seed(0))
     params = [SamplingParams(**kwargs)] * rows
     generators = [torch.Generator().manual_seed(i) if "seed" in kwargs else None for i in range(rows)]
-    return lambda logits: sampler.draw(logits, params, generators)[0]
+    histories = None
+    if params[0].has_penalties:
+        g = torch.Generator().manual_seed(rows)
+        histories = [types.SimpleNamespace(token_ids=torch.randint(0, 151936, (sum(HISTORY),), generator=g).tolist(),
+                                           num_prompt_tokens=HISTORY[0], stop_token_ids=frozenset(), constraint=None)
+                     for _ in range(rows)]
+    return lambda logits: sampler.draw(logits, params, generators, histories)[0]
 
 
 def sampler_at(rev: str, into: Path) -> Any:

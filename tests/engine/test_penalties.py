@@ -61,6 +61,26 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
     assert ours[0, 3].item() == pytest.approx(logits[0, 3].item())
 
 
+def test_penalties_over_long_histories_equal_their_definition_on_the_whole_vocabulary():
+    g = torch.Generator().manual_seed(4)
+    vocab, rows = 3000, 6
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    histories = [History(torch.randint(0, 400, (300 + 50 * r,), generator=g).tolist(), 200) for r in range(rows)]
+    params = [greedy(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.1), greedy(),
+              greedy(repetition_penalty=0.8), greedy(frequency_penalty=-0.5), greedy(presence_penalty=1.5),
+              greedy(repetition_penalty=1.05, frequency_penalty=0.2)]
+    want = logits.clone()
+    for row, (h, p) in enumerate(zip(histories, params)):
+        output = torch.bincount(torch.tensor(h.token_ids[h.num_prompt_tokens:]), minlength=vocab).float()
+        seen = torch.bincount(torch.tensor(h.token_ids), minlength=vocab) > 0
+        if p.repetition_penalty != 1:
+            raw = want[row]
+            want[row] = torch.where(seen, torch.where(raw > 0, raw / p.repetition_penalty,
+                                                      raw * p.repetition_penalty), raw)
+        want[row] = want[row] - p.frequency_penalty * output - p.presence_penalty * (output > 0)
+    assert torch.equal(apply_penalties(logits, histories, params), want)
+
+
 def test_rows_without_penalties_are_untouched_in_a_mixed_batch():
     logits = random_logits()
     ours = apply_penalties(logits, HISTORIES, [greedy(), greedy(repetition_penalty=2.0), greedy()])

@@ -61,19 +61,6 @@ class TokenHistory(Protocol):
     constraint: Any
 
 
-def token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """``[len(id_lists), vocab_size]`` float counts of each id per row, from one scatter."""
-    counts = torch.zeros(len(id_lists), vocab_size, device=device)
-    lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
-    total = int(lengths.sum())
-    if total:
-        rows = torch.repeat_interleave(torch.arange(len(id_lists)), lengths, output_size=total)
-        ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
-        counts.index_put_((upload(rows, device), upload(ids, device)), torch.ones(total, device=device),
-                          accumulate=True)
-    return counts
-
-
 def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
                     params: Sequence[SamplingParams]) -> torch.Tensor:
     """Logits with each row's repetition, presence and frequency penalties applied (a new tensor).
@@ -81,20 +68,42 @@ def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
     Repetition (``transformers``' definition): a token seen in the prompt or
     the output has its logit divided by the penalty if positive, multiplied
     if negative. Presence and frequency (OpenAI's): ``logit -= presence *
-    (count > 0) + frequency * count`` over the output tokens.
+    (count > 0) + frequency * count`` over the output tokens. Only the tokens
+    a penalized row has seen are touched (gathered, penalized, put back): a
+    pass over the whole vocabulary per term cost ~1.5 ms each at 32 rows of a
+    150k vocabulary.
     """
     device, vocab = logits.device, logits.shape[-1]
-    output_ids = [h.token_ids[h.num_prompt_tokens:] for h in histories]
-    output_counts = token_counts(output_ids, vocab, device)
-    if any(p.repetition_penalty != 1 for p in params):
-        prompt_counts = token_counts([h.token_ids[:h.num_prompt_tokens] for h in histories], vocab, device)
-        seen = (prompt_counts + output_counts) > 0
-        penalty = upload([p.repetition_penalty for p in params], device, logits.dtype).unsqueeze(1)
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, penalized, logits)
-    presence = upload([p.presence_penalty for p in params], device, logits.dtype)
-    frequency = upload([p.frequency_penalty for p in params], device, logits.dtype)
-    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * (output_counts > 0)
+    out = logits.clone(memory_format=torch.contiguous_format)
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return out
+
+    def keys(id_lists: list[Sequence[int]]) -> torch.Tensor:
+        """``row * vocab + token`` of every id, row by row."""
+        lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
+        starts = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab, lengths)
+        return starts + torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
+
+    output = keys([histories[i].token_ids[histories[i].num_prompt_tokens:] for i in rows])
+    prompt = keys([histories[i].token_ids[:histories[i].num_prompt_tokens] if params[i].repetition_penalty != 1
+                   else () for i in rows])
+    seen = torch.unique(torch.cat([prompt, output]))  # sorted
+    counts = torch.zeros(seen.numel())
+    in_output, output_counts = torch.unique(output, return_counts=True)
+    counts[torch.searchsorted(seen, in_output)] = output_counts.to(counts.dtype)
+    row_of = seen // vocab
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([float(getattr(p, name)) for p in params])[row_of].to(device, logits.dtype)
+
+    at, counts = upload(seen, device), upload(counts, device, logits.dtype)
+    values = out.view(-1).index_select(0, at)
+    penalty = per_row("repetition_penalty")
+    values = torch.where(values > 0, values / penalty, values * penalty)
+    values = values - per_row("frequency_penalty") * counts - per_row("presence_penalty") * (counts > 0)
+    out.view(-1).index_copy_(0, at, values)
+    return out
 
 
 def mask_stop_tokens(logits: torch.Tensor, rows: list[int], stop_ids: list[frozenset[int]]) -> torch.Tensor:
