@@ -89,15 +89,15 @@ def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
     prompt = keys([histories[i].token_ids[:histories[i].num_prompt_tokens] if params[i].repetition_penalty != 1
                    else () for i in rows])
     seen = torch.unique(torch.cat([prompt, output]))  # sorted
-    counts = torch.zeros(seen.numel())
+    counts = torch.zeros(seen.numel(), dtype=logits.dtype)
     in_output, output_counts = torch.unique(output, return_counts=True)
     counts[torch.searchsorted(seen, in_output)] = output_counts.to(counts.dtype)
     row_of = seen // vocab
 
     def per_row(name: str) -> torch.Tensor:
-        return torch.tensor([float(getattr(p, name)) for p in params])[row_of].to(device, logits.dtype)
+        return upload(torch.tensor([float(getattr(p, name)) for p in params], dtype=logits.dtype)[row_of], device)
 
-    at, counts = upload(seen, device), upload(counts, device, logits.dtype)
+    at, counts = upload(seen, device), upload(counts, device)
     values = out.view(-1).index_select(0, at)
     penalty = per_row("repetition_penalty")
     values = torch.where(values > 0, values / penalty, values * penalty)
