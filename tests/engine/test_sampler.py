@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.sampler import DRAW_BLOCK, Sampler, apply_top_k_top_p, draw_from
+from kunlun_infer.engine.sampler import DRAW_BLOCK, Sampler, apply_top_k_top_p, draw_from, mass_threshold
 
 
 def sampler(seed=0, waits_are_free=False):
@@ -111,7 +111,29 @@ def test_the_nucleus_search_ends_at_the_first_width_that_holds_every_row(monkeyp
     assert widths == [(3, 256)]  # peaked rows, a small top-k and ties inside the width: one pass
     widths.clear()
     sampler(waits_are_free=True).distribution(logits[[0, 2]], [params[i] for i in (0, 2)])
-    assert widths == [(2, 256), (1, 1024), (1, 8192)]  # only the row still open looks further
+    # only the row still open looks further, at the first width its lightest candidate shows could hold it
+    assert widths == [(2, 256), (1, 8192)]
+    widths.clear()
+    sampler(waits_are_free=True).distribution(logits[[4, 7]], [params[i] for i in (4, 7)])
+    # a flat row no width can hold goes to the mass threshold at once; a top-k of 5000 starts at 8192
+    assert widths == [(1, 256), (1, 8192)]
+
+
+def test_the_mass_threshold_is_where_the_heaviest_tokens_reach_the_mass_asked_for():
+    g = seeded(9)
+    weights = torch.cat([(torch.randn(6, 50000, generator=g) * s).exp() for s in (0.1, 1.0, 3.0)])
+    weights[0, :100] = 0.0  # tokens of no weight (masked) sit below every threshold
+    weights[1, 7:20] = weights[1, 5]  # ties
+    total = weights.double().sum(-1)
+    for p in (1e-9, 0.3, 0.9, 0.999):
+        need = (p * total).float()
+        t = mass_threshold(weights, need).double().unsqueeze(1)
+        heavier = (weights.double() * (weights > t)).sum(-1)
+        kept = (weights.double() * (weights >= t)).sum(-1)
+        assert ((weights >= t).sum(-1) >= 1).all()  # at least the heaviest token
+        assert (heavier < need.double() + 1e-6 * total).all() and (kept >= need.double() - 1e-6 * total).all(), p
+    # asking for more than all of it keeps every token
+    assert (weights >= mass_threshold(weights, total.float() * 2).unsqueeze(1)).all()
 
 
 def test_draws_from_a_wide_row_follow_its_distribution():
@@ -139,11 +161,11 @@ def test_a_draw_at_either_end_of_the_unit_interval_takes_a_token_of_nonzero_prob
 
 def test_sampling_is_drawn_without_an_exponential_per_token(monkeypatch):
     """Drawing costs a few passes over a row: one exponential variate per token cost ~15 ns each on a CPU
-    core (20 ms a step for eight rows of a 150k vocabulary)."""
+    core (20 ms a step for eight rows of a 150k vocabulary), a sort ~5 ms a row."""
     monkeypatch.setattr(torch.Tensor, "exponential_", lambda *a, **k: pytest.fail("exponential noise drawn"))
     monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: pytest.fail("the vocabulary sorted"))
     logits, params = mixed_rows(20000)
-    rows = [0, 1, 5, 6, 9, 10]
+    rows = [0, 1, 3, 4, 5, 6, 9, 10]  # 3 and 4: top-p nuclei wider than every candidate width
     out = sampler(waits_are_free=True)(logits[rows], [params[i] for i in rows], [None] * len(rows))
     assert len(out.token_ids) == len(rows)
 

@@ -153,18 +153,40 @@ def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[fl
 
     ``top_k[i]`` (0 = off) and ``top_p[i]`` (1 = off) per row. Each row's
     nucleus is looked for among its ``CANDIDATE_WIDTHS`` heaviest tokens
-    (``topk``), then among all: a row is done with a width once its nucleus
-    closes inside it (top-k: its ``k`` tokens and the ties of the ``k``-th;
-    top-p: the candidates hold ``top_p`` of the mass, so a token past them has
-    at least that much before it), which the host reads; so this is for
-    devices it waits for at no cost. A row's widths depend on its own weights
-    only: its result is the same in any batch.
+    (``topk``): a row is done with a width once its nucleus closes inside it
+    (top-k: its ``k`` tokens and the ties of the ``k``-th; top-p: the
+    candidates hold ``top_p`` of the mass, so a token past them has at least
+    that much before it), which the host reads; so this is for devices it
+    waits for at no cost. A top-p row wider than every width keeps the tokens
+    from :func:`mass_threshold` up (its boundary token may differ from a
+    sort's where float sums round differently: ~1e-5 of the mass); a top-k
+    wider than every width sorts the vocabulary. A row's widths depend on its
+    own weights only: its result is the same in any batch.
     """
     rows, vocab = weights.shape
     device = weights.device
-    pending = list(range(rows))
+    widths = [w for w in CANDIDATE_WIDTHS if w < vocab]
+
+    def first_width(holding: float) -> int:
+        """The first width of at least ``holding`` tokens (the whole vocabulary past the last)."""
+        return next((w for w in widths if w >= holding), vocab)
+
+    # the width each row looks at next: a top-k row's first that holds its k tokens
+    next_width = {i: first_width(top_k[i] if top_k[i] > 0 else 1) for i in range(rows)}
     whole = row_sums(weights)  # the mass top-p measures against, where no top-k comes first
-    for width in (*(w for w in CANDIDATE_WIDTHS if w < vocab), vocab):
+    for width in (*widths, vocab):
+        pending = [i for i in range(rows) if next_width.get(i) == width]
+        if width == vocab:  # a top-p row wider than every width: its threshold by the bits of its weights
+            wide = [i for i in pending if top_k[i] <= 0]
+            for start in range(0, len(wide), RADIX_ROWS):
+                chunk = torch.tensor(wide[start:start + RADIX_ROWS], device=device)
+                part = weights.index_select(0, chunk)
+                need = torch.tensor([float(top_p[i]) for i in wide[start:start + RADIX_ROWS]], device=device,
+                                    dtype=weights.dtype) * whole.index_select(0, chunk)
+                weights.index_copy_(0, chunk, part.masked_fill_(part < mass_threshold(part, need).unsqueeze(1), 0.0))
+            pending = [i for i in pending if top_k[i] > 0]  # a top-k wider than every width: sorted
+        if not pending:
+            continue
         index = torch.tensor(pending, device=device)
         values, ids = (weights if len(pending) == rows else weights.index_select(0, index)).topk(width, dim=-1)
         kth = torch.tensor([top_k[i] if 0 < top_k[i] <= width else width for i in pending], device=device)
@@ -176,20 +198,56 @@ def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[fl
         total = torch.where(with_k, mass[:, -1:], whole.index_select(0, index).unsqueeze(1))
         # a top-k row is done once its k-th token's ties end inside the width (or nothing past it weighs: its
         # weights fall with its logits), a top-p-only row once the candidates hold top_p of the mass
-        closed = torch.where(with_k, (values[:, -1:] < kth_value) | (kth_value == 0),
-                             mass[:, -1:] >= p * total).squeeze(1).tolist()
+        closed = torch.where(with_k, (values[:, -1:] < kth_value) | (kth_value == 0), mass[:, -1:] >= p * total)
+        facts = torch.cat([closed.to(weights.dtype), p * total - mass[:, -1:], values[:, -1:]], dim=1).tolist()
         # the mass before a token is short of top_p: it is in the nucleus (top_p = 1: every token is)
         keep = ((mass - values) < p * total) | (p >= 1)
         keep[:, 0] = True
-        done = [j for j, ok in enumerate(closed) if ok or width == vocab]
+        done = [j for j, (ok, _, _) in enumerate(facts) if ok or width == vocab]
         if done:
             at = torch.tensor(done, device=device)
             target = index.index_select(0, at)
             weights.index_fill_(0, target, 0.0)
             weights[target.unsqueeze(1), ids.index_select(0, at)] = (values * keep).index_select(0, at)
-        pending = [i for i, ok in zip(pending, closed) if not ok and width != vocab]
-        if not pending:
-            return
+        for i, (ok, short, lightest) in zip(pending, facts):
+            if ok or width == vocab:
+                del next_width[i]
+            elif top_k[i] > 0:  # the k-th token's ties reach past the width
+                next_width[i] = first_width(width + 1)
+            else:  # every token past the candidates weighs at most the lightest: skip widths that cannot close
+                next_width[i] = first_width(width + short / lightest if lightest > 0 else vocab)
+
+
+#: the digits of a non-negative float32's bits :func:`mass_threshold` selects by, most significant first:
+#: (shift, width); and how many rows it takes at once (its int64 digits of a 150k row are 1.2 MB each)
+RADIX_DIGITS = ((20, 11), (10, 10), (0, 10))
+RADIX_ROWS = 8
+
+
+def mass_threshold(weights: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """For each row of non-negative ``weights`` (``[n, vocab]``), the weight ``t`` of the token at which the
+    running mass, heaviest first, reaches ``need[i]``: the tokens weighing at least ``t`` are the row's top-p
+    nucleus. A radix selection on the weights' float bits (monotone for non-negative floats): per digit, one
+    histogram of the mass of the tokens still in question picks the digit where the mass crosses; three passes,
+    where a sort of 150k tokens is ~5 ms a row. Nothing waits for the device."""
+    n = weights.shape[0]
+    bits = weights.view(torch.int32)
+    prefix = torch.zeros(n, 1, dtype=torch.int32, device=weights.device)
+    above = torch.zeros(n, 1, dtype=weights.dtype, device=weights.device)  # the mass of tokens past the prefix
+    for shift, width in RADIX_DIGITS:
+        buckets, high = 1 << width, shift + width
+        digit = ((bits >> shift) & (buckets - 1)).long()
+        mass = weights if high == 31 else weights * ((bits >> high) == (prefix >> high))
+        hist = torch.zeros(n, buckets, dtype=weights.dtype, device=weights.device).scatter_add_(1, digit, mass)
+        hist = hist.flip(-1)  # heaviest digit first
+        running = hist.cumsum(dim=-1)
+        # the first digit whose running mass reaches what is still needed (at least a token's worth: rounding
+        # may leave nothing, and an empty digit must not be chosen)
+        still = (need.unsqueeze(1) - above).clamp_(min=torch.finfo(weights.dtype).tiny)
+        j = torch.searchsorted(running, still).clamp_(max=buckets - 1)
+        above = above + running.gather(1, j) - hist.gather(1, j)
+        prefix = prefix | ((buckets - 1 - j).to(torch.int32) << shift)
+    return prefix.view(weights.dtype).squeeze(1)
 
 
 def row_sums(weights: torch.Tensor) -> torch.Tensor:
