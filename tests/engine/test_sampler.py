@@ -34,6 +34,10 @@ def test_top_p_keeps_the_smallest_nucleus():
     # a tiny top_p still keeps the most likely token
     filtered = apply_top_k_top_p(probs.log(), None, torch.tensor([1e-6]))
     assert torch.isfinite(filtered).tolist() == [[True, False, False, False]]
+    # the same without a sort (a vocabulary narrower than every candidate width: the mass threshold)
+    for top_p, kept in ((0.75, [True, True, False, False]), (1e-6, [True, False, False, False])):
+        dist = sampler(waits_are_free=True).distribution(probs.log(), [SamplingParams(top_p=top_p)])
+        assert (dist > 0).tolist() == [kept]
 
 
 def test_sampled_tokens_follow_the_distribution():
