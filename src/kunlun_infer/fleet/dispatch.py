@@ -38,7 +38,8 @@ from kunlun_infer.engine.outputs import RequestOutput
 from kunlun_infer.errors import KunlunInferError, RequestError
 from kunlun_infer.fleet.router import (PREFIX_BLOCK_TOKENS, Policy, PrefixIndex, ReplicaLoad, choose, loads,
                                        prefix_hashes)
-from kunlun_infer.server.engine_loop import EngineUnavailableError, ReplicaFailedError, ServerBusyError, deliver
+from kunlun_infer.server.engine_loop import (EngineUnavailableError, ReplicaFailedError, ServerBusyError, deliver,
+                                            deliver_all)
 from kunlun_infer.server.metrics import Counter, ServerMetrics, merge_labelled
 
 log = logging.getLogger("kunlun_infer.framework")
@@ -453,11 +454,13 @@ class FleetLoop:
                                            busy=replica.load.in_flight > 0)
                 if result["last_step_error"]:
                     self.last_step_error = result["last_step_error"]
+                handed: list[tuple[FleetSubmission, RequestOutput]] = []
                 for request_id, item in result["outputs"]:
                     if isinstance(item, tuple):
                         self._refused(replica, epoch, request_id, item)
-                    else:
-                        self._output(replica, request_id, item)
+                    elif (sub := self._output(replica, request_id, item)) is not None:
+                        handed.append((sub, item))
+                deliver_all(handed)  # one wake-up of each handler event loop for the poll's outputs
                 self._drain_pending()
             if not result["alive"]:
                 self._failed(replica, epoch, f"its engine stopped: {result['failure']}", kill=True)
@@ -467,10 +470,11 @@ class FleetLoop:
                                              f"(fleet.step_timeout_s={self.step_timeout_s:g})", kill=True)
                 return
 
-    def _output(self, replica: Replica, request_id: str, output: RequestOutput) -> None:
+    def _output(self, replica: Replica, request_id: str, output: RequestOutput) -> FleetSubmission | None:
+        """Account ``output`` to its request; the request's submission to hand it to, or ``None``."""
         sub = replica.requests.get(request_id)
         if sub is None or sub.replica is not replica:
-            return  # it moved on (its replica failed before): what comes late is dropped, never delivered twice
+            return None  # it moved on (its replica failed before): what comes late is dropped, never delivered twice
         if output.token_ids or output.delta_text:
             sub.streamed = True
         sub.generated[output.index] = len(output.token_ids)
@@ -481,7 +485,7 @@ class FleetLoop:
             sub.samples_left -= 1
             if sub.samples_left <= 0:
                 self._done(sub)
-        deliver(sub, output)
+        return sub
 
     def _refused(self, replica: Replica, epoch: int, request_id: str, info: tuple[str, str, str | None]) -> None:
         """A replica refused a request or could not run it: the request's fault ends it, a full replica moves it."""
