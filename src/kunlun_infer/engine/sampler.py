@@ -179,22 +179,22 @@ def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[fl
         if width == vocab:  # a top-p row wider than every width: its threshold by the bits of its weights
             wide = [i for i in pending if top_k[i] <= 0]
             for start in range(0, len(wide), RADIX_ROWS):
-                chunk = torch.tensor(wide[start:start + RADIX_ROWS], device=device)
+                chunk = upload(wide[start:start + RADIX_ROWS], device, torch.int64)
                 part = weights.index_select(0, chunk)
-                need = torch.tensor([float(top_p[i]) for i in wide[start:start + RADIX_ROWS]], device=device,
-                                    dtype=weights.dtype) * whole.index_select(0, chunk)
+                need = upload([float(top_p[i]) for i in wide[start:start + RADIX_ROWS]], device,
+                              weights.dtype) * whole.index_select(0, chunk)
                 weights.index_copy_(0, chunk, part.masked_fill_(part < mass_threshold(part, need).unsqueeze(1), 0.0))
             pending = [i for i in pending if top_k[i] > 0]  # a top-k wider than every width: sorted
         if not pending:
             continue
-        index = torch.tensor(pending, device=device)
+        index = upload(pending, device, torch.int64)
         values, ids = (weights if len(pending) == rows else weights.index_select(0, index)).topk(width, dim=-1)
-        kth = torch.tensor([top_k[i] if 0 < top_k[i] <= width else width for i in pending], device=device)
+        kth = upload([top_k[i] if 0 < top_k[i] <= width else width for i in pending], device, torch.int64)
         kth_value = values.gather(1, kth.sub_(1).unsqueeze(1))
         values = values * (values >= kth_value)  # top-k, ties kept
         mass = values.cumsum(dim=-1)
-        with_k = torch.tensor([0 < top_k[i] for i in pending], device=device).unsqueeze(1)
-        p = torch.tensor([float(top_p[i]) for i in pending], device=device, dtype=weights.dtype).unsqueeze(1)
+        with_k = upload([0 < top_k[i] for i in pending], device).unsqueeze(1)
+        p = upload([float(top_p[i]) for i in pending], device, weights.dtype).unsqueeze(1)
         total = torch.where(with_k, mass[:, -1:], whole.index_select(0, index).unsqueeze(1))
         # a top-k row is done once its k-th token's ties end inside the width (or nothing past it weighs: its
         # weights fall with its logits), a top-p-only row once the candidates hold top_p of the mass
@@ -205,7 +205,7 @@ def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[fl
         keep[:, 0] = True
         done = [j for j, (ok, _, _) in enumerate(facts) if ok or width == vocab]
         if done:
-            at = torch.tensor(done, device=device)
+            at = upload(done, device, torch.int64)
             target = index.index_select(0, at)
             weights.index_fill_(0, target, 0.0)
             weights[target.unsqueeze(1), ids.index_select(0, at)] = (values * keep).index_select(0, at)
