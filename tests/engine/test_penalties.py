@@ -1,12 +1,15 @@
 """Penalties, min_p and min_tokens: each matches its usual definition computed directly on the logits."""
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.sampler import Sampler, apply_min_p, apply_penalties
+from kunlun_infer.engine.penalties import apply_penalties
+from kunlun_infer.engine.sampler import Sampler, apply_min_p
 from kunlun_infer.errors import RequestError
 from tests.engine.tiny_models import EOS_ID
 
@@ -61,24 +64,105 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
     assert ours[0, 3].item() == pytest.approx(logits[0, 3].item())
 
 
-def test_penalties_over_long_histories_equal_their_definition_on_the_whole_vocabulary():
-    g = torch.Generator().manual_seed(4)
-    vocab, rows = 3000, 6
-    logits = torch.randn(rows, vocab, generator=g) * 4
-    histories = [History(torch.randint(0, 400, (300 + 50 * r,), generator=g).tolist(), 200) for r in range(rows)]
-    params = [greedy(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.1), greedy(),
-              greedy(repetition_penalty=0.8), greedy(frequency_penalty=-0.5), greedy(presence_penalty=1.5),
-              greedy(repetition_penalty=1.05, frequency_penalty=0.2)]
+def dense_penalties(logits, histories, params):
+    """The penalties' definition, over the whole vocabulary of every row."""
+    vocab = logits.shape[-1]
     want = logits.clone()
     for row, (h, p) in enumerate(zip(histories, params)):
-        output = torch.bincount(torch.tensor(h.token_ids[h.num_prompt_tokens:]), minlength=vocab).float()
+        output = torch.bincount(torch.tensor(h.token_ids[h.num_prompt_tokens:], dtype=torch.int64),
+                                minlength=vocab).float()
         seen = torch.bincount(torch.tensor(h.token_ids), minlength=vocab) > 0
         if p.repetition_penalty != 1:
             raw = want[row]
             want[row] = torch.where(seen, torch.where(raw > 0, raw / p.repetition_penalty,
                                                       raw * p.repetition_penalty), raw)
         want[row] = want[row] - p.frequency_penalty * output - p.presence_penalty * (output > 0)
-    assert torch.equal(apply_penalties(logits, histories, params), want)
+    return want
+
+
+LONG_PARAMS = [greedy(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.1), greedy(),
+               greedy(repetition_penalty=0.8), greedy(frequency_penalty=-0.5), greedy(presence_penalty=1.5),
+               greedy(repetition_penalty=1.05, frequency_penalty=0.2)]
+
+
+def test_penalties_over_long_histories_equal_their_definition_on_the_whole_vocabulary():
+    g = torch.Generator().manual_seed(4)
+    vocab, rows = 3000, 6
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    histories = [History(torch.randint(0, 400, (300 + 50 * r,), generator=g).tolist(), 200) for r in range(rows)]
+    assert torch.equal(apply_penalties(logits, histories, LONG_PARAMS), dense_penalties(logits, histories, LONG_PARAMS))
+
+
+@dataclasses.dataclass(eq=False)  # hashable and weakly referable, as the engine's sequences are
+class Tracked:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    stop_token_ids: frozenset = frozenset()
+
+
+class CountingList(list):
+    """A list that counts the elements read through slices."""
+
+    read = 0
+
+    def __getitem__(self, index):
+        got = super().__getitem__(index)
+        if isinstance(index, slice):
+            CountingList.read += len(got)
+        return got
+
+
+def test_tallies_follow_histories_step_by_step_and_read_only_the_new_tokens():
+    g = torch.Generator().manual_seed(5)
+    vocab, rows = 3000, 6
+    histories = [Tracked(CountingList(torch.randint(0, 400, (150 + 40 * r,), generator=g).tolist()), 100 + r)
+                 for r in range(rows)]
+    tallies = weakref.WeakKeyDictionary()
+    for step in range(30):  # past 64 distinct tokens a row: the tallies' storage grows
+        logits = torch.randn(rows, vocab, generator=g) * 4
+        CountingList.read = 0
+        ours = apply_penalties(logits, histories, LONG_PARAMS, tallies)
+        read = CountingList.read
+        assert torch.equal(ours, dense_penalties(logits, histories, LONG_PARAMS)), step
+        if step:  # one token added to each penalized row since the last step, and only that one read
+            assert read == rows - 1
+        for r, h in enumerate(histories):
+            h.token_ids.append(int(torch.randint(0, 400 if step % 3 else vocab, (1,), generator=g)) + r)
+    assert len(tallies) == rows - 1  # the row without penalties has none
+
+
+def test_a_history_changed_behind_its_tally_is_counted_again():
+    g = torch.Generator().manual_seed(6)
+    vocab = 500
+    h = Tracked(torch.randint(0, 50, (80,), generator=g).tolist(), 30)
+    params = [greedy(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2)]
+    tallies = weakref.WeakKeyDictionary()
+    logits = torch.randn(1, vocab, generator=g) * 4
+
+    def check():
+        assert torch.equal(apply_penalties(logits, [h], params, tallies), dense_penalties(logits, [h], params))
+
+    check()
+    del h.token_ids[-5:]  # tokens taken back
+    check()
+    h.token_ids[-1] = 400  # the last token replaced, same length
+    check()
+    del h.token_ids[-3:]
+    h.token_ids += [401, 402, 403, 404]  # taken back and others put in their place, longer than before
+    check()
+    h.token_ids, h.num_prompt_tokens = h.token_ids[:40], 40  # a new prompt of the same tokens
+    check()
+
+
+def test_the_samplers_tallies_drop_with_their_sequences():
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    histories = [Tracked([1, 2, 3, 4], 2), Tracked([5, 6], 1)]
+    params = [greedy(repetition_penalty=1.5), greedy(frequency_penalty=0.5)]
+    sampler(torch.randn(2, VOCAB), params, [None, None], histories)
+    assert len(sampler.tallies) == 2
+    del histories
+    gc.collect()
+    assert len(sampler.tallies) == 0
 
 
 def test_rows_without_penalties_are_untouched_in_a_mixed_batch():

@@ -2,8 +2,9 @@
 
 First the logits are reshaped for the rows that ask: penalties over the
 tokens each sequence has seen (repetition: prompt and output; presence and
-frequency: output), counted with one scatter over all rows, and EOS/stop
-tokens masked while a row is short of ``min_tokens``. Greedy rows take the
+frequency: output; ``engine/penalties.py``, each sequence's tokens tallied a
+step at a time), and EOS/stop tokens masked while a row is short of
+``min_tokens``. Greedy rows take the
 argmax. Sampled rows are divided by their temperature and
 filtered by top-k and top-p, only when a row asks for them: on a device the
 host waits for at no cost (``Streams.asynchronous`` false: the CPU), each
@@ -32,13 +33,14 @@ mask forbids are left out of the top alternatives).
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
+from kunlun_infer.engine.penalties import Tally, TokenHistory, apply_penalties
 from kunlun_infer.ops.upload import upload
 
 
@@ -48,62 +50,6 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
-
-
-class TokenHistory(Protocol):
-    """What the sampler reads of a sequence: its tokens so far and which of them are the prompt."""
-
-    token_ids: list[int]
-    num_prompt_tokens: int
-    #: tokens that end the sequence (masked while ``min_tokens`` is not reached)
-    stop_token_ids: frozenset[int]
-    #: the structured-output state (``engine.structured.Constraint``) or ``None``
-    constraint: Any
-
-
-def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
-                    params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Logits with each row's repetition, presence and frequency penalties applied (a new tensor).
-
-    Repetition (``transformers``' definition): a token seen in the prompt or
-    the output has its logit divided by the penalty if positive, multiplied
-    if negative. Presence and frequency (OpenAI's): ``logit -= presence *
-    (count > 0) + frequency * count`` over the output tokens. Only the tokens
-    a penalized row has seen are touched (gathered, penalized, put back): a
-    pass over the whole vocabulary per term cost ~1.5 ms each at 32 rows of a
-    150k vocabulary.
-    """
-    device, vocab = logits.device, logits.shape[-1]
-    out = logits.clone(memory_format=torch.contiguous_format)
-    rows = [i for i, p in enumerate(params) if p.has_penalties]
-    if not rows:
-        return out
-
-    def keys(id_lists: list[Sequence[int]]) -> torch.Tensor:
-        """``row * vocab + token`` of every id, row by row."""
-        lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
-        starts = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab, lengths)
-        return starts + torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
-
-    output = keys([histories[i].token_ids[histories[i].num_prompt_tokens:] for i in rows])
-    prompt = keys([histories[i].token_ids[:histories[i].num_prompt_tokens] if params[i].repetition_penalty != 1
-                   else () for i in rows])
-    seen = torch.unique(torch.cat([prompt, output]))  # sorted
-    counts = torch.zeros(seen.numel(), dtype=logits.dtype)
-    in_output, output_counts = torch.unique(output, return_counts=True)
-    counts[torch.searchsorted(seen, in_output)] = output_counts.to(counts.dtype)
-    row_of = seen // vocab
-
-    def per_row(name: str) -> torch.Tensor:
-        return upload(torch.tensor([float(getattr(p, name)) for p in params], dtype=logits.dtype)[row_of], device)
-
-    at, counts = upload(seen, device), upload(counts, device)
-    values = out.view(-1).index_select(0, at)
-    penalty = per_row("repetition_penalty")
-    values = torch.where(values > 0, values / penalty, values * penalty)
-    values = values - per_row("frequency_penalty") * counts - per_row("presence_penalty") * (counts > 0)
-    out.view(-1).index_copy_(0, at, values)
-    return out
 
 
 def mask_stop_tokens(logits: torch.Tensor, rows: list[int], stop_ids: list[frozenset[int]]) -> torch.Tensor:
@@ -313,6 +259,8 @@ class Sampler:
         #: top-p then look for each row's nucleus among its likeliest tokens (:func:`keep_nucleus`) instead of
         #: sorting the vocabulary, which keeps an asynchronous device's queue free of waits
         self.waits_are_free = waits_are_free
+        #: each penalized sequence's :class:`~kunlun_infer.engine.penalties.Tally`, dropped with the sequence
+        self.tallies: weakref.WeakKeyDictionary[Any, Tally] = weakref.WeakKeyDictionary()
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
@@ -341,8 +289,7 @@ class Sampler:
             sampled = torch.where(upload(greedy, device), processed.argmax(dim=-1), sampled)
         return sampled, processed
 
-    @staticmethod
-    def _process(logits: torch.Tensor, params: list[SamplingParams],
+    def _process(self, logits: torch.Tensor, params: list[SamplingParams],
                  histories: Sequence[TokenHistory] | None) -> torch.Tensor:
         """Penalties and the ``min_tokens`` mask; ``logits`` itself when no row asks for them."""
         penalized = any(p.has_penalties for p in params)
@@ -351,7 +298,7 @@ class Sampler:
         if histories is None:
             raise ValueError("the sampler needs each row's token history for penalties and min_tokens")
         if penalized:
-            logits = apply_penalties(logits, histories, params)
+            logits = apply_penalties(logits, histories, params, self.tallies)
         short = [i for i, (p, h) in enumerate(zip(params, histories))
                  if len(h.token_ids) - h.num_prompt_tokens < p.min_tokens]
         if short:
