@@ -11,7 +11,9 @@ transformers' ``generate(do_sample=True)`` does per step on the same logits
 sampler as it was at a git revision. Rows are Zipf-like (a likelihood
 falling as rank^-s, s drawn per row in [1.0, 1.6], in shuffled order), so
 top-p's nucleus ranges from tens to thousands of tokens, as a language
-model's does. Medians in milliseconds, with the CPU model and ISA.
+model's does. Rows with penalties start from ``--history`` tokens (a prompt
+and an output so far) and gain their drawn token each step, as a decoding
+sequence does. Medians in milliseconds, with the CPU model and ISA.
 
 ``--served``: also the useful tokens per second of ``perf_cpu.py``'s 8
 requests on its random-weight Qwen2-shaped 0.5B model (bf16), greedy and
@@ -20,6 +22,7 @@ nearly flat: top-p's nucleus there holds most of the vocabulary)::
 
     python benchmarks/sampling.py
     python benchmarks/sampling.py --batches 1,8,32,128 --before HEAD~1
+    python benchmarks/sampling.py --batches 8,32 --history 3000,1000 --before HEAD~1
     python benchmarks/sampling.py --served
 """
 
@@ -33,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,8 +57,17 @@ CASES = {
     # Qwen2.5's generation_config.json: what its chat users get by default
     "Qwen2.5 defaults": {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
 }
-#: the tokens each row has seen, where a case asks for penalties: a prompt and the output so far
+#: the tokens each row has seen, where a case asks for penalties: a prompt and the output so far (``--history``)
 HISTORY = (512, 128)
+
+
+class History:
+    """A row's sequence as the sampler reads it; each step's drawn token is appended, as the engine does."""
+
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.token_ids, self.num_prompt_tokens = token_ids, num_prompt_tokens
+        self.stop_token_ids: frozenset[int] = frozenset()
+        self.constraint = None
 
 
 def zipf_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -67,8 +78,9 @@ def zipf_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return out + 0.05 * torch.randn(rows, vocab, generator=g)
 
 
-def transformers_step(kwargs: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What ``generate(do_sample=True)`` runs on a step's logits with these settings."""
+def transformers_step(kwargs: dict[str, Any], history: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What ``generate(do_sample=True)`` runs on a step's logits with these settings (its ``input_ids`` growing
+    by the drawn tokens)."""
     import transformers as tf
 
     warpers = tf.LogitsProcessorList()
@@ -90,14 +102,17 @@ def transformers_step(kwargs: dict[str, Any]) -> Callable[[torch.Tensor], torch.
         shape = tuple(logits.shape)
         if shape not in seen:
             g = torch.Generator().manual_seed(shape[0])
-            seen[shape] = torch.randint(0, shape[1], (shape[0], sum(HISTORY)), generator=g)
+            seen[shape] = torch.randint(0, shape[1], (shape[0], sum(history)), generator=g)
         scores = warpers(seen[shape], logits)
-        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        drawn = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)
+        seen[shape] = torch.cat([seen[shape], drawn], dim=1)
+        return drawn.squeeze(1)
 
     return step
 
 
-def engine_step(sampler_module: Any, kwargs: dict[str, Any], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def engine_step(sampler_module: Any, kwargs: dict[str, Any], rows: int,
+                history: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
     from kunlun_infer.engine.params import SamplingParams
 
     try:
@@ -106,13 +121,19 @@ def engine_step(sampler_module: Any, kwargs: dict[str, Any], rows: int) -> Calla
         sampler = sampler_module.Sampler(torch.Generator().manual_seed(0))
     params = [SamplingParams(**kwargs)] * rows
     generators = [torch.Generator().manual_seed(i) if "seed" in kwargs else None for i in range(rows)]
-    histories = None
-    if params[0].has_penalties:
-        g = torch.Generator().manual_seed(rows)
-        histories = [types.SimpleNamespace(token_ids=torch.randint(0, 151936, (sum(HISTORY),), generator=g).tolist(),
-                                           num_prompt_tokens=HISTORY[0], stop_token_ids=frozenset(), constraint=None)
-                     for _ in range(rows)]
-    return lambda logits: sampler.draw(logits, params, generators, histories)[0]
+    if not params[0].has_penalties:
+        return lambda logits: sampler.draw(logits, params, generators)[0]
+    g = torch.Generator().manual_seed(rows)
+    histories = [History(torch.randint(0, 151936, (sum(history),), generator=g).tolist(), history[0])
+                 for _ in range(rows)]
+
+    def step(logits: torch.Tensor) -> torch.Tensor:
+        drawn = sampler.draw(logits, params, generators, histories)[0]
+        for h, token in zip(histories, drawn.tolist()):
+            h.token_ids.append(token)
+        return drawn
+
+    return step
 
 
 def sampler_at(rev: str, into: Path) -> Any:
@@ -172,17 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--turns", type=int, default=15)
+    parser.add_argument("--history", default=",".join(map(str, HISTORY)), metavar="PROMPT,OUTPUT",
+                        help="the tokens each penalized row has seen when a case starts (each step adds one)")
     parser.add_argument("--before", default=None, metavar="REV", help="also time the sampler at this git revision")
     parser.add_argument("--served", action="store_true", help="also serve perf_cpu.py's 8 requests, sampled")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "kunlun_infer_perf_cpu",
                         help="where --served's model is built (or found)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
+    history = tuple(int(n) for n in args.history.split(","))
     from kunlun_infer.engine import sampler as current
 
     facts = machine.facts()
     print(machine.describe(facts))
-    results: dict[str, Any] = {"machine": facts, "vocab": args.vocab, "milliseconds": {}}
+    results: dict[str, Any] = {"machine": facts, "vocab": args.vocab, "history": history, "milliseconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         before = sampler_at(args.before, Path(tmp)) if args.before else None
         names = ["kunlun_infer", "transformers"] + ([f"at {args.before}"] if before else [])
@@ -190,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (int(b) for b in args.batches.split(",")):
             logits = zipf_logits(rows, args.vocab, seed=rows)
             for case, kwargs in CASES.items():
-                calls = {"kunlun_infer": engine_step(current, kwargs, rows), "transformers": transformers_step(kwargs)}
+                calls = {"kunlun_infer": engine_step(current, kwargs, rows, history),
+                         "transformers": transformers_step(kwargs, history)}
                 if before is not None:
-                    calls[f"at {args.before}"] = engine_step(before, kwargs, rows)
+                    calls[f"at {args.before}"] = engine_step(before, kwargs, rows, history)
                 figures = in_turns(calls, logits, args.turns)
                 results["milliseconds"].setdefault(rows, {})[case] = figures
                 ratio = figures["transformers"] / figures["kunlun_infer"]
