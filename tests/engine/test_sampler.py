@@ -174,6 +174,15 @@ def test_sampling_is_drawn_without_an_exponential_per_token(monkeypatch):
     assert len(out.token_ids) == len(rows)
 
 
+def test_an_asynchronous_devices_draw_needs_no_searchsorted(monkeypatch):
+    """torch.searchsorted is not in every vendor's torch: the draw an asynchronous device runs (sort-based
+    filters, then the two-uniform draw) finds its index by comparisons."""
+    logits, params = mixed_rows(3000)
+    want = sampler(waits_are_free=False)(logits, params, [None] * len(params)).token_ids
+    monkeypatch.setattr(torch, "searchsorted", lambda *a, **k: pytest.fail("torch.searchsorted called"))
+    assert sampler(waits_are_free=False)(logits, params, [None] * len(params)).token_ids == want
+
+
 def test_logprobs_are_the_raw_log_softmax_with_top_alternatives():
     logits = torch.randn(3, 30, generator=seeded(3))
     params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0),

@@ -211,11 +211,13 @@ def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """For each row of non-negative ``weights`` (``[n, w]``), index ``i`` with probability ``weights[i]`` over
     the row's sum, as ``u`` (``[n]``, uniform in [0, 1)) falls in its running sum; never an index of weight 0
     (rounding that pushes ``u`` to the end takes the last positive one)."""
+    # the running sums never fall, so how many of them lie at or below a value is where it falls: the search
+    # counted by comparisons (any device has those; torch.searchsorted is not in every vendor's torch)
     cdf = weights.cumsum(dim=-1)
-    total = cdf[:, -1:].contiguous()
-    index = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
-    last = torch.searchsorted(cdf, total)  # the first index reaching the total: the last positive weight
-    return torch.minimum(index, last).clamp_(max=weights.shape[-1] - 1).squeeze(1)
+    total = cdf[:, -1:]
+    index = (cdf <= u.unsqueeze(1) * total).sum(dim=-1)
+    last = (cdf < total).sum(dim=-1)  # the first index reaching the total: the last positive weight
+    return torch.minimum(index, last).clamp_(max=weights.shape[-1] - 1)
 
 
 def _block_sums(weights: torch.Tensor) -> torch.Tensor:
