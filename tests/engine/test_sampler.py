@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.sampler import DRAW_BLOCK, Sampler, apply_top_k_top_p, draw_from, mass_threshold
+from kunlun_infer.engine.sampler import DRAW_BLOCK, EXP_FLOOR, Sampler, apply_top_k_top_p, draw_from, mass_threshold
 
 
 def sampler(seed=0, waits_are_free=False):
@@ -172,6 +172,27 @@ def test_sampling_is_drawn_without_an_exponential_per_token(monkeypatch):
     rows = [0, 1, 3, 4, 5, 6, 9, 10]  # 3 and 4: top-p nuclei wider than every candidate width
     out = sampler(waits_are_free=True)(logits[rows], [params[i] for i in rows], [None] * len(rows))
     assert len(out.token_ids) == len(rows)
+
+
+def test_weights_are_exact_above_the_exponent_floor_and_zero_below(monkeypatch):
+    """Masked tokens and a low temperature put most of a row far below its top token, where torch's exp on a
+    CPU takes 12-30x longer: no exponent goes below the floor, weights above it are the exact exp, and
+    tokens at or below it weigh 0."""
+    assert torch.tensor(EXP_FLOOR).exp() >= torch.finfo(torch.float32).tiny  # still a normal float
+    logits = torch.randn(4, 5000, generator=seeded(7)) * 4
+    logits[1, ::3] = float("-inf")  # masked tokens
+    temperatures = [1.0, 0.7, 0.1, 0.05]
+    params = [SamplingParams(temperature=t) for t in temperatures]
+    lowest = []
+    real_exp = torch.Tensor.exp_
+    monkeypatch.setattr(torch.Tensor, "exp_", lambda t: (lowest.append(t.min().item()), real_exp(t))[1])
+    weights = sampler(waits_are_free=True).weights(logits, params)
+    assert lowest and min(lowest) >= EXP_FLOOR
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / torch.tensor(temperatures).unsqueeze(1)
+    above = scaled > EXP_FLOOR
+    assert torch.equal(weights[above], scaled[above].exp())
+    assert not weights[~above].any()
+    assert (~above[2:]).float().mean() > 0.3  # the low temperatures do put much of their rows below it
 
 
 def test_an_asynchronous_devices_draw_needs_no_searchsorted(monkeypatch):

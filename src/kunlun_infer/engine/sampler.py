@@ -202,6 +202,14 @@ def row_sums(weights: torch.Tensor) -> torch.Tensor:
     return _block_sums(weights).sum(dim=-1)
 
 
+#: the lowest exponent a weight is computed from (relative to its row's top token): below it, weight 0.
+#: torch's exp on a CPU takes 12-30x longer for arguments under ~-87.3 (results subnormal or 0) than above,
+#: and masked tokens (-inf), low temperatures and wide logit ranges put most of a vocabulary there; exp(-87)
+#: is still a normal float, and a token 1.6e-38 times as likely as the top one was never drawn anyway
+EXP_FLOOR = -87.0
+_FLOOR_WEIGHT = float(torch.tensor(EXP_FLOOR).exp())
+
+
 #: a draw over a wider row first picks a block of this many tokens by their sums, then a token in it: float32
 #: running sums over a block stay exact to ~1e-7 of its share, where one over a 150k vocabulary would not
 DRAW_BLOCK = 1024
@@ -311,7 +319,8 @@ class Sampler:
     def weights(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """``[N, vocab]`` non-negative weights proportional to the probabilities a sampled row draws from:
         temperature, then top-k/top-p, then ``min_p``; greedy rows get temperature 1 (they are drawn by
-        argmax). A new tensor, one pass over the logits: ``exp((logits - max) / temperature)``."""
+        argmax). A new tensor, one pass over the logits: ``exp((logits - max) / temperature)``, 0 where the
+        exponent is at or below ``EXP_FLOOR``."""
         device = logits.device
         temperature = upload([p.temperature if not p.greedy else 1.0 for p in params], device, logits.dtype)
         filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
@@ -327,7 +336,8 @@ class Sampler:
         else:
             # at most 1 (the max, or a logit pushed to +inf by a huge penalty); never NaN
             top = logits.amax(dim=-1, keepdim=True).clamp_(max=torch.finfo(logits.dtype).max)
-            weights = torch.sub(logits, top).div_(temperature.unsqueeze(1)).clamp_(max=0.0).exp_()
+            weights = torch.sub(logits, top).div_(temperature.unsqueeze(1)).clamp_(min=EXP_FLOOR, max=0.0).exp_()
+            torch.threshold_(weights, _FLOOR_WEIGHT, 0.0)  # what lay at or below the floor weighs nothing
             if filtered:
                 rows = upload(filtered, device, torch.int64)
                 part = weights if len(filtered) == len(params) else weights.index_select(0, rows)
