@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: name -> SamplingParams keywords: what chat clients commonly send
 CASES = {
     "temperature 0.7": {"temperature": 0.7},
+    "temperature 0.2": {"temperature": 0.2},  # code and agents: most of a row far below its top token
     "top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
     "top_k 50": {"temperature": 0.7, "top_k": 50},
     "top_k 20, top_p 0.8": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
@@ -154,8 +155,9 @@ def in_turns(calls: dict[str, Callable[[torch.Tensor], torch.Tensor]], logits: t
     times: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():
         call(logits)  # first calls
-    for _ in range(turns):
-        for name, call in calls.items():
+    order = list(calls.items())
+    for turn in range(turns):  # every other turn in reverse: no call always runs after the same one
+        for name, call in (order if turn % 2 == 0 else order[::-1]):
             start = time.perf_counter()
             call(logits)
             times[name].append(time.perf_counter() - start)
