@@ -123,6 +123,33 @@ def test_the_nucleus_search_ends_at_the_first_width_that_holds_every_row(monkeyp
     assert widths == [(1, 256), (1, 8192)]
 
 
+def test_counting_tokens_the_threshold_is_the_kth_heaviest_weight():
+    g = seeded(11)
+    weights = torch.cat([(torch.randn(3, 30000, generator=g) * s).exp() for s in (0.1, 2.0)])
+    weights[0, :5000] = 0.0  # masked tokens
+    weights[1, 100:9100] = weights[1, 50]  # 9000 ties
+    weights[2, 200:] = 0.0  # fewer positive tokens than some k asked for
+    for k in (1, 7, 8999, 9000, 15000, 30000):
+        t = mass_threshold(weights, torch.full((6,), float(k)), by_count=True)
+        assert torch.equal(t, weights.sort(dim=-1, descending=True).values[:, k - 1]), k
+
+
+def test_a_top_k_wider_than_every_width_keeps_exactly_what_sorting_keeps():
+    logits, params = mixed_rows(20000)
+    cases = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in ((9000, 1.0), (15000, 1.0), (12000, 0.95),
+                                                                          (19999, 1.0))]
+    rows = logits[[1, 3, 4, 7]]
+    order = rows[0].argsort(descending=True)
+    rows[0, order[8500:11500]] = rows[0, order[8500]].item()  # the 9000th token's ties reach the 11500th
+    sorted_probs = sampler(waits_are_free=False).distribution(rows, cases)
+    searched = sampler(waits_are_free=True).distribution(rows, cases)
+    kept = (searched > 0).sum(-1).tolist()
+    assert kept[0] == 11500 and kept[1] == 15000 and kept[3] == 19999
+    assert kept[2] < 12000  # top-p then cut into the top-k
+    assert ((searched > 0) == (sorted_probs > 0)).all()
+    assert torch.allclose(searched, sorted_probs, atol=1e-6, rtol=1e-4)
+
+
 def test_the_mass_threshold_is_where_the_heaviest_tokens_reach_the_mass_asked_for():
     g = seeded(9)
     weights = torch.cat([(torch.randn(6, 50000, generator=g) * s).exp() for s in (0.1, 1.0, 3.0)])
@@ -169,7 +196,7 @@ def test_sampling_is_drawn_without_an_exponential_per_token(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "exponential_", lambda *a, **k: pytest.fail("exponential noise drawn"))
     monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: pytest.fail("the vocabulary sorted"))
     logits, params = mixed_rows(20000)
-    rows = [0, 1, 3, 4, 5, 6, 9, 10]  # 3 and 4: top-p nuclei wider than every candidate width
+    rows = [0, 1, 3, 4, 5, 6, 8, 9, 10]  # 3, 4 and 8 (a top-k of 15000): nuclei wider than every width
     out = sampler(waits_are_free=True)(logits[rows], [params[i] for i in rows], [None] * len(rows))
     assert len(out.token_ids) == len(rows)
 

@@ -9,7 +9,7 @@ argmax. Sampled rows are divided by their temperature and
 filtered by top-k and top-p, only when a row asks for them: on a device the
 host waits for at no cost (``Streams.asynchronous`` false: the CPU), each
 such row's nucleus is looked for among its likeliest tokens
-(``CANDIDATE_WIDTHS``, then the whole vocabulary); on an asynchronous device,
+(``CANDIDATE_WIDTHS``, then thresholds over the whole vocabulary); on an asynchronous device,
 where reading back mid-draw would stall the queue, one sort of the vocabulary
 serves both filters. ``min_p`` drops tokens below ``min_p`` times a row's top
 probability. Then each row is drawn by inverse transform sampling with two
@@ -88,8 +88,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-#: widths among which a filtered row's top-k/top-p nucleus is looked for, likeliest tokens first, before the
-#: whole vocabulary is sorted (where the host waits for the device at no cost; see :func:`keep_nucleus`)
+#: widths among which a filtered row's top-k/top-p nucleus is looked for, likeliest tokens first, before its
+#: thresholds are selected over the whole vocabulary (where the host waits for the device at no cost; see
+#: :func:`keep_nucleus`)
 CANDIDATE_WIDTHS = (256, 1024, 8192)
 
 
@@ -103,11 +104,13 @@ def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[fl
     (top-k: its ``k`` tokens and the ties of the ``k``-th; top-p: the
     candidates hold ``top_p`` of the mass, so a token past them has at least
     that much before it), which the host reads; so this is for devices it
-    waits for at no cost. A top-p row wider than every width keeps the tokens
-    from :func:`mass_threshold` up (its boundary token may differ from a
-    sort's where float sums round differently: ~1e-5 of the mass); a top-k
-    wider than every width sorts the vocabulary. A row's widths depend on its
-    own weights only: its result is the same in any batch.
+    waits for at no cost. A row wider than every width keeps the tokens from
+    its thresholds up, each a radix selection (:func:`mass_threshold`): a
+    top-k row's ``k``-th heaviest weight (counting tokens; exact), then a
+    top-p row's weight where the mass reaches ``top_p`` (its boundary token
+    may differ from a sort's where float sums round differently: ~1e-5 of
+    the mass). A row's widths depend on its own weights only: its result is
+    the same in any batch.
     """
     rows, vocab = weights.shape
     device = weights.device
@@ -122,15 +125,23 @@ def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[fl
     whole = row_sums(weights)  # the mass top-p measures against, where no top-k comes first
     for width in (*widths, vocab):
         pending = [i for i in range(rows) if next_width.get(i) == width]
-        if width == vocab:  # a top-p row wider than every width: its threshold by the bits of its weights
-            wide = [i for i in pending if top_k[i] <= 0]
-            for start in range(0, len(wide), RADIX_ROWS):
-                chunk = upload(wide[start:start + RADIX_ROWS], device, torch.int64)
+        if width == vocab:  # a row wider than every width: its thresholds by the bits of its weights
+            for start in range(0, len(pending), RADIX_ROWS):
+                rows_here = pending[start:start + RADIX_ROWS]
+                chunk = upload(rows_here, device, torch.int64)
                 part = weights.index_select(0, chunk)
-                need = upload([float(top_p[i]) for i in wide[start:start + RADIX_ROWS]], device,
-                              weights.dtype) * whole.index_select(0, chunk)
-                weights.index_copy_(0, chunk, part.masked_fill_(part < mass_threshold(part, need).unsqueeze(1), 0.0))
-            pending = [i for i in pending if top_k[i] > 0]  # a top-k wider than every width: sorted
+                total = whole.index_select(0, chunk)
+                if any(top_k[i] > 0 for i in rows_here):  # the k-th heaviest weight, ties kept (no top-k: all)
+                    k = upload([float(top_k[i] if top_k[i] > 0 else vocab) for i in rows_here], device,
+                               weights.dtype)
+                    part.mul_(part >= mass_threshold(part, k, by_count=True).unsqueeze(1))
+                    with_k = upload([top_k[i] > 0 for i in rows_here], device)
+                    total = torch.where(with_k, row_sums(part), total)  # top-p measures against the top-k
+                if any(top_p[i] < 1 for i in rows_here):
+                    need = upload([float(top_p[i]) for i in rows_here], device, weights.dtype) * total
+                    part.masked_fill_(part < mass_threshold(part, need).unsqueeze(1), 0.0)
+                weights.index_copy_(0, chunk, part)
+            continue
         if not pending:
             continue
         index = upload(pending, device, torch.int64)
@@ -170,20 +181,23 @@ RADIX_DIGITS = ((20, 11), (10, 10), (0, 10))
 RADIX_ROWS = 8
 
 
-def mass_threshold(weights: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+def mass_threshold(weights: torch.Tensor, need: torch.Tensor, by_count: bool = False) -> torch.Tensor:
     """For each row of non-negative ``weights`` (``[n, vocab]``), the weight ``t`` of the token at which the
     running mass, heaviest first, reaches ``need[i]``: the tokens weighing at least ``t`` are the row's top-p
-    nucleus. A radix selection on the weights' float bits (monotone for non-negative floats): per digit, one
-    histogram of the mass of the tokens still in question picks the digit where the mass crosses; three passes,
-    where a sort of 150k tokens is ~5 ms a row. Nothing waits for the device."""
+    nucleus. With ``by_count`` every token counts 1 instead of its weight: ``t`` is the ``need[i]``-th heaviest
+    weight (top-k, its ties kept). A radix selection on the weights' float
+    bits (monotone for non-negative floats): per digit, one histogram of the mass of the tokens still in
+    question picks the digit where the mass crosses; three passes, where a sort of 150k tokens is ~5 ms a row.
+    Nothing waits for the device."""
     n = weights.shape[0]
+    weights_or_one = torch.ones_like(weights) if by_count else weights  # counts to 2**24 are exact in float32
     bits = weights.view(torch.int32)
     prefix = torch.zeros(n, 1, dtype=torch.int32, device=weights.device)
     above = torch.zeros(n, 1, dtype=weights.dtype, device=weights.device)  # the mass of tokens past the prefix
     for shift, width in RADIX_DIGITS:
         buckets, high = 1 << width, shift + width
         digit = ((bits >> shift) & (buckets - 1)).long()
-        mass = weights if high == 31 else weights * ((bits >> high) == (prefix >> high))
+        mass = weights_or_one if high == 31 else weights_or_one * ((bits >> high) == (prefix >> high))
         hist = torch.zeros(n, buckets, dtype=weights.dtype, device=weights.device).scatter_add_(1, digit, mass)
         hist = hist.flip(-1)  # heaviest digit first
         running = hist.cumsum(dim=-1)
