@@ -135,7 +135,7 @@ def test_counting_tokens_the_threshold_is_the_kth_heaviest_weight():
 
 
 def test_a_top_k_wider_than_every_width_keeps_exactly_what_sorting_keeps():
-    logits, params = mixed_rows(20000)
+    logits, _ = mixed_rows(20000)
     cases = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in ((9000, 1.0), (15000, 1.0), (12000, 0.95),
                                                                           (19999, 1.0))]
     rows = logits[[1, 3, 4, 7]]
