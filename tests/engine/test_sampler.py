@@ -93,7 +93,7 @@ def test_the_nucleus_search_keeps_what_sorting_the_vocabulary_keeps():
     sorted_probs = sampler(waits_are_free=False).distribution(logits, params)
     searched = sampler(waits_are_free=True).distribution(logits, params)
     kept = (sorted_probs > 0).sum(-1).tolist()
-    assert kept[0] < 256 < kept[1] <= 1024 < kept[2] <= 8192 < kept[3]  # the rows reach every width
+    assert kept[0] < 256 < kept[1] <= 1024 < kept[2] <= 8192 < kept[3]  # every width, and past the last
     assert kept[5:8] == [50, 300, 5000] and kept[9] == 45  # top-k keeps the ties of its k-th token
     assert kept[10] <= 10
     assert ((searched > 0) == (sorted_probs > 0)).all()
@@ -114,13 +114,16 @@ def test_the_nucleus_search_ends_at_the_first_width_that_holds_every_row(monkeyp
     sampler(waits_are_free=True).distribution(logits[[0, 5, 9]], [params[i] for i in (0, 5, 9)])
     assert widths == [(3, 256)]  # peaked rows, a small top-k and ties inside the width: one pass
     widths.clear()
+    sampler(waits_are_free=True).distribution(logits[[0, 1]], [params[i] for i in (0, 1)])
+    assert widths == [(2, 256), (1, 1024)]  # only the row still open looks further
+    widths.clear()
     sampler(waits_are_free=True).distribution(logits[[0, 2]], [params[i] for i in (0, 2)])
-    # only the row still open looks further, at the first width its lightest candidate shows could hold it
-    assert widths == [(2, 256), (1, 8192)]
+    # a row whose lightest candidate shows no width can hold it goes to the thresholds after the first
+    assert widths == [(2, 256)]
     widths.clear()
     sampler(waits_are_free=True).distribution(logits[[4, 7]], [params[i] for i in (4, 7)])
-    # a flat row no width can hold goes to the mass threshold at once; a top-k of 5000 starts at 8192
-    assert widths == [(1, 256), (1, 8192)]
+    # a flat row likewise; a top-k of 5000, wider than every width, at once
+    assert widths == [(1, 256)]
 
 
 def test_counting_tokens_the_threshold_is_the_kth_heaviest_weight():
