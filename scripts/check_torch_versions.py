@@ -44,6 +44,8 @@ RELEASES = ("2.5.1", "2.9.1", "2.11.0", "2.13.0+cpu")
 #: the core tests (paths relative to the checkout)
 CORE_TESTS = (
     "tests/engine/test_correctness.py",
+    "tests/engine/test_penalties.py",
+    "tests/engine/test_sampler.py",
     "tests/engine/test_step_graphs.py",
     "tests/models/test_model_logits.py",
     "tests/models/test_rope_scaling.py",
