@@ -1,33 +1,31 @@
 """Pick the next token of every sequence from its logits, all rows at once.
 
-First the logits are reshaped for the rows that ask: penalties over the
-tokens each sequence has seen (repetition: prompt and output; presence and
-frequency: output; ``engine/penalties.py``, each sequence's tokens tallied a
-step at a time), and EOS/stop tokens masked while a row is short of
-``min_tokens``. Greedy rows take the
-argmax. Sampled rows are divided by their temperature and
+First the logits are reshaped for the rows that ask: penalties over the tokens
+each sequence has seen (repetition: prompt and output; presence and frequency:
+output; ``engine/penalties.py``, each sequence's tokens tallied a step at a
+time), and EOS/stop tokens masked while a row is short of ``min_tokens``.
+Greedy rows take the argmax. Sampled rows are divided by their temperature and
 filtered by top-k and top-p, only when a row asks for them: on a device the
-host waits for at no cost (``Streams.asynchronous`` false: the CPU), each
-such row's nucleus is looked for among its likeliest tokens
-(``CANDIDATE_WIDTHS``, then thresholds over the whole vocabulary); on an asynchronous device,
-where reading back mid-draw would stall the queue, one sort of the vocabulary
-serves both filters. ``min_p`` drops tokens below ``min_p`` times a row's top
+host waits for at no cost (``Streams.asynchronous`` false: the CPU), each such
+row's nucleus is looked for among its likeliest tokens (``CANDIDATE_WIDTHS``,
+then thresholds over the whole vocabulary); on an asynchronous device, where
+reading back mid-draw would stall the queue, one sort of the vocabulary serves
+both filters. ``min_p`` drops tokens below ``min_p`` times a row's top
 probability. Then each row is drawn by inverse transform sampling with two
 uniforms (:func:`draw_from`): one picks a block of ``DRAW_BLOCK`` tokens by
 their sums, one a token within it, so float32 running sums stay exact to a
 block's share and no token of zero probability is ever drawn; it costs a few
-passes over the row, where one exponential variate per token (the
-exponential race) cost ~15 ns each on a CPU core: 20 ms a step for eight
-rows of a 150k vocabulary. The uniforms of a row with a ``seed`` come from
-that request's own generator, so its tokens do not depend on what else is in
-the batch; other rows share the engine's generator. Rows whose sequence
-carries a structured-output constraint are masked after the penalties (every
-such row in one call of the engine's logits processor), so only tokens their
-grammar allows can be drawn.
-Logprobs are those of the model's raw distribution (``log_softmax`` of the
-logits, before penalties, masks, temperature and filters), or with
-``logprobs_mode="processed"`` of the penalized and masked logits (tokens a
-mask forbids are left out of the top alternatives).
+passes over the row, where one exponential variate per token (the exponential
+race) cost ~15 ns each on a CPU core: 20 ms a step for eight rows of a 150k
+vocabulary. The uniforms of a row with a ``seed`` come from that request's own
+generator, so its tokens do not depend on what else is in the batch; other
+rows share the engine's generator. Rows whose sequence carries a
+structured-output constraint are masked after the penalties (every such row in
+one call of the engine's logits processor), so only tokens their grammar
+allows can be drawn. Logprobs are those of the model's raw distribution
+(``log_softmax`` of the logits, before penalties, masks, temperature and
+filters), or with ``logprobs_mode="processed"`` of the penalized and masked
+logits (tokens a mask forbids are left out of the top alternatives).
 """
 
 from __future__ import annotations
@@ -260,7 +258,7 @@ def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     the row's sum, as ``u`` (``[n]``, uniform in [0, 1)) falls in its running sum; never an index of weight 0
     (rounding that pushes ``u`` to the end takes the last positive one)."""
     # the running sums never fall, so how many of them lie at or below a value is where it falls: the search
-    # counted by comparisons (any device has those; torch.searchsorted is not in every vendor's torch)
+    # counted by comparisons, which every device's torch has (torch.searchsorted was not verified on all)
     cdf = weights.cumsum(dim=-1)
     total = cdf[:, -1:]
     index = (cdf <= u.unsqueeze(1) * total).sum(dim=-1)
