@@ -93,7 +93,7 @@ def test_the_nucleus_search_keeps_what_sorting_the_vocabulary_keeps():
     sorted_probs = sampler(waits_are_free=False).distribution(logits, params)
     searched = sampler(waits_are_free=True).distribution(logits, params)
     kept = (sorted_probs > 0).sum(-1).tolist()
-    assert kept[0] < 256 < kept[1] <= 1024 < kept[2] <= 8192 < kept[3]  # every width, and past the last
+    assert kept[0] < 256 < kept[1] <= 1024 < kept[2] <= 8192 < kept[3]  # nuclei within each width and past it
     assert kept[5:8] == [50, 300, 5000] and kept[9] == 45  # top-k keeps the ties of its k-th token
     assert kept[10] <= 10
     assert ((searched > 0) == (sorted_probs > 0)).all()
