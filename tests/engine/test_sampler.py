@@ -225,6 +225,25 @@ def test_weights_are_exact_above_the_exponent_floor_and_zero_below(monkeypatch):
     assert (~above[2:]).float().mean() > 0.3  # the low temperatures do put much of their rows below it
 
 
+@pytest.mark.parametrize("waits_are_free", [True, False])
+def test_degenerate_rows_draw_a_token_without_error(waits_are_free):
+    """Logits pushed to +inf by a tiny repetition penalty, a row masked whole, a NaN from the model, and a
+    temperature past float32's range (1e300 is a valid request: as float32 it is inf, and inf / inf is NaN)."""
+    logits = torch.randn(4, 5000, generator=seeded(12))
+    logits[0, :10] = float("inf")
+    logits[1] = float("-inf")
+    logits[2, 3] = float("nan")
+    for keys in ({"temperature": 1e300, "top_p": 0.5}, {"temperature": 1e300, "top_k": 3000},
+                 {"temperature": 0.7, "top_p": 0.99}, {"temperature": 1e300, "min_p": 0.5}):
+        params = [SamplingParams(**keys)] * 4
+        tokens = sampler(waits_are_free=waits_are_free)(logits, params, [None] * 4).token_ids
+        assert all(0 <= t < 5000 for t in tokens), keys
+        weights = sampler(waits_are_free=waits_are_free).weights(logits, params)
+        assert not weights[[0, 3]].isnan().any(), keys
+        if waits_are_free:
+            assert not weights[1].isnan().any() and weights[1].sum() == 0, keys  # masked whole: nothing weighs
+
+
 def test_an_asynchronous_devices_draw_needs_no_searchsorted(monkeypatch):
     """torch.searchsorted is not in every vendor's torch: the draw an asynchronous device runs (sort-based
     filters, then the two-uniform draw) finds its index by comparisons."""

@@ -216,7 +216,7 @@ def mass_threshold(weights: torch.Tensor, need: torch.Tensor, by_count: bool = F
         return (buckets - 1 - j).squeeze(1).to(torch.int32)
 
     (shift, width), *rest = RADIX_DIGITS
-    digit = (bits >> shift).long()  # the sign bit is 0: the top digit needs no mask
+    digit = ((bits >> shift) & ((1 << width) - 1)).long()  # (a NaN from the model may carry the sign bit)
     unit = torch.ones_like(weights) if by_count else weights
     chosen = choose(torch.zeros(n, 1 << width, dtype=dtype, device=device).scatter_add_(1, digit, unit))
     prefix = chosen << shift
@@ -360,7 +360,9 @@ class Sampler:
         argmax). A new tensor, one pass over the logits: ``exp((logits - max) / temperature)``, 0 where the
         exponent is at or below ``EXP_FLOOR``."""
         device = logits.device
-        temperature = upload([p.temperature if not p.greedy else 1.0 for p in params], device, logits.dtype)
+        # a temperature past the dtype's range (1e300 is a valid request) would be inf, and inf / inf is NaN
+        temperature = upload([p.temperature if not p.greedy else 1.0 for p in params], device, logits.dtype) \
+            .clamp_(max=torch.finfo(logits.dtype).max)
         filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
         vocab = logits.shape[-1]  # a larger top_k keeps everything (and may not fit an int64)
         if filtered and not self.waits_are_free:  # one sort of the vocabulary serves both filters
@@ -372,8 +374,10 @@ class Sampler:
             scaled = (logits / temperature.unsqueeze(1)).clamp_(max=torch.finfo(logits.dtype).max)
             weights = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
         else:
-            # at most 1 (the max, or a logit pushed to +inf by a huge penalty); never NaN
-            top = logits.amax(dim=-1, keepdim=True).clamp_(max=torch.finfo(logits.dtype).max)
+            # at most 1 (the max, or a logit pushed to +inf by a huge penalty); never NaN, even where every logit
+            # is -inf (a row masked whole: its weights are all 0)
+            finite = torch.finfo(logits.dtype).max
+            top = logits.amax(dim=-1, keepdim=True).clamp_(min=-finite, max=finite)
             weights = torch.sub(logits, top).div_(temperature.unsqueeze(1)).clamp_(min=EXP_FLOOR, max=0.0).exp_()
             torch.threshold_(weights, _FLOOR_WEIGHT, 0.0)  # what lay at or below the floor weighs nothing
             if filtered:
