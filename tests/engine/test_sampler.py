@@ -1,10 +1,20 @@
 """Token selection: greedy, temperature, top-k/top-p filters, seeds, logprobs."""
 
+import math
+
 import pytest
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.sampler import DRAW_BLOCK, EXP_FLOOR, Sampler, apply_top_k_top_p, draw_from, mass_threshold
+from kunlun_infer.engine.sampler import (
+    DRAW_BLOCK,
+    EXP_FLOOR,
+    Sampler,
+    apply_top_k_top_p,
+    draw_from,
+    keep_top_p,
+    mass_threshold,
+)
 
 
 def sampler(seed=0, waits_are_free=False):
@@ -151,6 +161,33 @@ def test_a_top_k_wider_than_every_width_keeps_exactly_what_sorting_keeps():
     assert kept[2] < 12000  # top-p then cut into the top-k
     assert ((searched > 0) == (sorted_probs > 0)).all()
     assert torch.allclose(searched, sorted_probs, atol=1e-6, rtol=1e-4)
+
+
+def test_top_p_keeps_as_many_tied_tokens_as_a_sort_would():
+    """Past the candidate widths, tokens tied at the threshold are kept while the mass before them is short of
+    top_p, the first in column order: a flat row keeps top_p of its tokens, not all of them."""
+    vocab, heavy_count = 20000, 5000
+    flat = torch.zeros(vocab)
+    groups = torch.ones(vocab)
+    groups[torch.randperm(vocab, generator=seeded(13))[:heavy_count]] = 2.0
+    logits = torch.stack([flat, groups, flat, groups])
+    params = [SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, top_p=0.25, top_k=2500), SamplingParams(temperature=1.0, top_p=0.9)]
+    searched = sampler(waits_are_free=True).distribution(logits, params)
+    kept = [torch.nonzero(row).squeeze(1).tolist() for row in searched]
+    assert kept[0] == list(range(10000))  # 10000 of 20000 equal tokens carry half the mass
+    assert kept[2] == list(range(5000))  # top-k keeps all 20000 ties, then top-p a quarter of them
+    heavy, light = (torch.nonzero(groups == v).squeeze(1).tolist() for v in (2.0, 1.0))
+    light_weight = float(torch.tensor(-1.0).exp())  # the heavy tokens weigh 1
+    total = heavy_count + (vocab - heavy_count) * light_weight
+    for row, p in ((1, 0.5), (3, 0.9)):  # the nucleus ends inside the lighter group
+        lights = math.ceil((p * total - heavy_count) / light_weight)
+        assert kept[row] == sorted(heavy + light[:lights]), row
+    sorted_kept = (sampler(waits_are_free=False).distribution(logits, params) > 0).sum(-1).tolist()
+    assert [len(k) for k in kept[1::2]] == sorted_kept[1::2]  # as many as a sort keeps
+    weights = torch.ones(2, 10)
+    keep_top_p(weights, torch.tensor([3.5, 100.0]))  # 4 tokens reach 3.5; more than the mass keeps all
+    assert weights.sum(-1).tolist() == [4.0, 10.0]
 
 
 def test_the_mass_threshold_is_where_the_heaviest_tokens_reach_the_mass_asked_for():

@@ -105,11 +105,12 @@ def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[fl
     that much before it), which the host reads; so this is for devices it
     waits for at no cost. A row wider than every width keeps the tokens from
     its thresholds up, each a radix selection (:func:`mass_threshold`): a
-    top-k row's ``k``-th heaviest weight (counting tokens; exact), then a
-    top-p row's weight where the mass reaches ``top_p`` (its boundary token
-    may differ from a sort's where float sums round differently: ~1e-5 of
-    the mass). A row's widths depend on its own weights only: its result is
-    the same in any batch.
+    top-k row's ``k``-th heaviest weight (counting tokens; exact, ties kept
+    as a sort keeps them), then top-p by :func:`keep_top_p` (of the tokens
+    tied at its threshold, as many as a sort keeps; where float sums round
+    differently from a sort's, its boundary may be a token or two away). A
+    row's widths depend on its own weights only: its result is the same in
+    any batch.
     """
     rows, vocab = weights.shape
     device = weights.device
@@ -139,10 +140,10 @@ def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[fl
                     part.mul_((part >= mass_threshold(part, k, by_count=True).unsqueeze(1)).to(part.dtype))
                     with_k = upload([top_k[i] > 0 for i in rows_here], device)
                     total = torch.where(with_k, row_sums(part), total)  # top-p measures against the top-k
-                if any(top_p[i] < 1 for i in rows_here):
-                    need = upload([float(top_p[i]) for i in rows_here], device, weights.dtype) * total
-                    keep = part >= mass_threshold(part, need).unsqueeze(1)
-                    part.mul_(keep.to(part.dtype))  # by a float mask: masked_fill_ by a row-wise one took 4x as long
+                if any(top_p[i] < 1 for i in rows_here):  # (a row without top-p needs more than any mass)
+                    p = upload([float(top_p[i]) if top_p[i] < 1 else float("inf") for i in rows_here], device,
+                               weights.dtype)
+                    keep_top_p(part, torch.where(p < float("inf"), p * total, p))  # (not inf * 0)
                 if chunk is not None:
                     weights.index_copy_(0, chunk, part)
             continue
@@ -188,8 +189,9 @@ RADIX_ROWS = 8
 def mass_threshold(weights: torch.Tensor, need: torch.Tensor, by_count: bool = False) -> torch.Tensor:
     """For each row of non-negative ``weights`` (``[n, vocab]``), the weight ``t`` of the token at which the
     running mass, heaviest first, reaches ``need[i]``: the tokens weighing at least ``t`` are the row's top-p
-    nucleus. With ``by_count`` every token counts 1 instead of its weight: ``t`` is the ``need[i]``-th heaviest
-    weight (top-k, its ties kept; counts to 2**24 are exact in float32).
+    nucleus (with every token tied at ``t``; :func:`keep_top_p` keeps as many of those as a sort would). With
+    ``by_count`` every token counts 1 instead of its weight: ``t`` is the ``need[i]``-th heaviest weight (top-k,
+    its ties kept; counts to 2**24 are exact in float32).
 
     A radix selection on the weights' float bits (monotone for non-negative floats): per digit, one histogram of
     the mass of the tokens still in question picks the digit where the mass crosses. The first digit takes the
@@ -197,6 +199,13 @@ def mass_threshold(weights: torch.Tensor, need: torch.Tensor, by_count: bool = F
     later digits take only them. Each histogram adds its tokens in column order, so a row's threshold is the
     same bits in any batch. Where a sort of 150k tokens is ~5 ms a row, 8 rows take ~2 ms. Nothing waits for the
     device."""
+    return _radix_select(weights, need, by_count)[0]
+
+
+def _radix_select(weights: torch.Tensor, need: torch.Tensor,
+                  by_count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`mass_threshold`'s ``t`` (``[n]``), the mass (or count) of the tokens heavier than ``t`` (``[n]``,
+    summed by the histograms), and the (row, column) of every token weighing exactly ``t``, row-major."""
     n, device, dtype = weights.shape[0], weights.device, weights.dtype
     bits = weights.view(torch.int32)
     tiny = torch.finfo(dtype).tiny
@@ -228,10 +237,28 @@ def mass_threshold(weights: torch.Tensor, need: torch.Tensor, by_count: bool = F
         flat = torch.zeros(n * buckets, dtype=dtype, device=device)  # one row after another; added in order
         chosen = choose(flat.scatter_add_(0, digit.long() + row * buckets, unit).view(n, buckets))
         prefix = prefix | (chosen << shift)
-        if shift:
-            keep = digit == chosen.index_select(0, row)
-            bits, unit, row = bits[keep], unit[keep], row[keep]
-    return prefix.view(dtype)
+        keep = torch.nonzero(digit == chosen.index_select(0, row)).squeeze(1)  # once, for the four of them
+        bits, unit, row, col = (x.index_select(0, keep) for x in (bits, unit, row, col))
+    return prefix.view(dtype), above, row, col
+
+
+def keep_top_p(weights: torch.Tensor, need: torch.Tensor) -> None:
+    """Zero, in place, each row's ``weights`` (``[n, vocab]``, non-negative) outside its top-p nucleus: the
+    heaviest tokens while the mass before them is short of ``need[i]``, as a sort keeps them. The tokens heavier
+    than :func:`mass_threshold`'s ``t`` all stay; of those tied at ``t``, as many as a sort would keep
+    (``ceil((need - mass above) / t)``, at least one), the first in column order. Keeping every tie would keep
+    the whole of a flat row at any ``top_p``."""
+    t, above, row, col = _radix_select(weights, need, by_count=False)
+    at = t.unsqueeze(1)
+    weights.mul_((weights > at).to(weights.dtype))
+    # how many of the ties a sort keeps; a threshold of 0 (asked for more than all the mass): every one
+    wanted = torch.where(t > 0, ((need - above) / t).ceil_().clamp_(min=1), torch.full_like(t, float("inf")))
+    per_row = torch.bincount(row, minlength=weights.shape[0])
+    first = per_row.cumsum(0) - per_row  # where each row's ties start (row-major)
+    rank = torch.arange(row.numel(), device=weights.device) - first.index_select(0, row)
+    kept = torch.nonzero(rank < wanted.index_select(0, row)).squeeze(1)
+    row, col = row.index_select(0, kept), col.index_select(0, kept)
+    weights[row, col] = t.index_select(0, row)
 
 
 def row_sums(weights: torch.Tensor) -> torch.Tensor:
