@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tokenizers
@@ -211,7 +211,7 @@ class XGrammarProcessor(LogitsProcessor):
             self._utf8_masks[state] = self._mask_row(lambda text: utf8_after(state, text) is not None)
         return self._utf8_masks[state]
 
-    def _mask_row(self, allows: Any) -> torch.Tensor:
+    def _mask_row(self, allows: Callable[[bytes], bool]) -> torch.Tensor:
         """A bitmask row of the tokens whose text ``allows(text)`` accepts, stop and special tokens always."""
         allowed_tokens = torch.ones(self._bitmask.shape[1] * 32, dtype=torch.bool)
         for token, text in enumerate(self._token_bytes):
