@@ -109,9 +109,9 @@ class Tally:
 
 
 def tally_of(history: TokenHistory, with_prompt: bool, tallies: MutableMapping[Any, Tally] | None) -> Tally:
-    """``history``'s tally in ``tallies`` (a new one where it has none, or one that takes the prompt in
-    where this call would not, or the other way round), brought up to date. A history that cannot key the mapping (unhashable, or not weakly referable for a
-    ``WeakKeyDictionary``) gets a tally of its own for this call."""
+    """``history``'s tally in ``tallies`` (a new one where it has none, or one that takes the prompt in where
+    this call would not, or the other way round), brought up to date. A history that cannot key the mapping
+    (unhashable, or not weakly referable for a ``WeakKeyDictionary``) gets a tally of its own for this call."""
     tally = None
     if tallies is not None:
         try:
