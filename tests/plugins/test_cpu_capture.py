@@ -67,6 +67,18 @@ def test_a_torch_op_that_computes_refuses_the_capture():
     assert captured is None and "aten::add" in reason and "computes" in reason
 
 
+@pytest.mark.skipif(not cpu_kernels.onednn_linear_available(), reason="this torch has no oneDNN prepacked linear")
+def test_a_weight_reordered_for_onednn_refuses_the_capture():
+    # a bf16 weight the native GEMM does not take (odd in-features) is reordered for oneDNN: an opaque tensor,
+    # multiplied in torch; the capture is refused, naming that op, and does not fail on the opaque weight
+    weight = cpu_kernels.pack_linear_weight(torch.randn(16, 7).to(torch.bfloat16))
+    x, w = torch.randn(2, 16).to(torch.bfloat16), torch.ones(16, dtype=torch.bfloat16)
+    assert weight.layout is not torch.strided
+    captured, reason = cpu_capture.capture_or_reason(
+        lambda: cpu_kernels.rms_norm(cpu_kernels.linear(x[:, :7], weight), w, 1e-6))
+    assert captured is None and "mkldnn::_linear_pointwise" in reason and "computes" in reason
+
+
 def test_an_in_place_write_refuses_the_capture():
     x, w = torch.randn(2, 64), torch.randn(64)
 

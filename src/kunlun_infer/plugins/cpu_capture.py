@@ -94,7 +94,9 @@ class _Watch(TorchDispatchMode):
                 base, nbytes = _storage(t)
                 self.allocated[base] = nbytes
             return out
-        inputs = {_storage(t)[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # a weight oneDNN reordered is opaque (no storage): only an op that computes in torch reads one
+        inputs = {_storage(t)[0] for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.layout is torch.strided}
         for t in results:
             if _storage(t)[0] not in inputs:
                 raise self.refuse(f"{name} computes a new tensor in torch")
