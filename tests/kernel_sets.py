@@ -33,9 +33,9 @@ def _choose(name: str, monkeypatch: pytest.MonkeyPatch):
     else:
         monkeypatch.setenv(ISA_ENV, ISA_CAPS[name])
         planned, _ = cpu_native.planned()
-        would_choose = "torch" if planned is None else "amx" if "amx_bf16" in cpu_native.cpu_flags() else planned.name
+        would_choose = "torch" if planned is None else planned.name
         if would_choose != name:
-            wanted = {"amx_bf16"} if name == "amx" else next(s.requires for s in cpu_native.KERNEL_SETS if s.name == name)
+            wanted = next(s.requires for s in cpu_native.KERNEL_SETS if s.name == name)
             why = f"it has no {', '.join(sorted(wanted - cpu_native.cpu_flags()))}, so it runs {would_choose}"
             pytest.skip(f"this CPU does not run the {name} kernels ({why})")
         if cpu_native.compiler()[1] is None:

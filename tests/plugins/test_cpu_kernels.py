@@ -193,9 +193,6 @@ def _gemm_way(way: str):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_features, in_features", [(64, 32), (48, 40), (100, 2), (1, 6), (33, 258)])
 def test_native_gemm_matches_f_linear_for_every_row_count(native_kernel_set, dtype, out_features, in_features):
-    if dtype is torch.bfloat16 and cpu_native.selection().bf16_linear != "native":
-        assert native_kernel_set == "amx"  # bf16 weights go to oneDNN's tiles there (tested below)
-        return
     assert cpu_gemm.can_pack(torch.zeros(out_features, in_features, dtype=dtype))
     for way in _gemm_ways():
         with _gemm_way(way):  # ragged tiles (out features not a multiple of the tile) and every row-block remainder
@@ -214,9 +211,6 @@ def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_ke
     CPU measured faster (``cpu_tuning``) and either way forced. 100 rows are packed 96 at a time, the last
     block of 4 rows short; 300 in four passes, packed into two buffers in turn while other threads may still
     multiply the pass before (the weight's three tiles do not share evenly among two threads)."""
-    if dtype is torch.bfloat16 and cpu_native.selection().bf16_linear != "native":
-        assert native_kernel_set == "amx"
-        return
     g = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(40, 600, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     x = torch.randn(rows, 600, generator=g).to(dtype)
@@ -236,7 +230,7 @@ def test_packed_linear_keeps_leading_dims_and_refuses_a_wrong_width(kernel_set, 
     weight = torch.randn(64, 32).to(dtype)
     packed = cpu_kernels.pack_linear_weight(weight)
     native = cpu_gemm.available(dtype)
-    assert native == (kernel_set not in ("torch", "amx") or (kernel_set == "amx" and dtype is torch.float32))
+    assert native == (kernel_set != "torch")
     assert cpu_gemm.is_packed(packed) == native
     x = torch.randn(2, 3, 32).to(dtype)
     assert cpu_kernels.linear(x, packed).shape == (2, 3, 64)
@@ -292,7 +286,7 @@ def test_model_on_cpu_ops_matches_transformers_and_counts_packed_weights(tmp_pat
             assert linear_bytes == sum(size * -(-out // tile) * tile * inp for out, inp in shapes.values())
             assert all(copied for _, copied in packs.values())
         elif dtype is torch.bfloat16 and cpu_kernels.onednn_linear_available():  # reordered for oneDNN
-            assert kernel_set in ("torch", "amx")
+            assert kernel_set == "torch"
             assert all(w.layout != torch.strided for w in packed.values())
         else:  # nothing repacked: the weights as loaded, the LM head sharing the embedding's storage
             assert kernel_set == "torch" and not any(copied for _, copied in packs.values())
@@ -494,11 +488,16 @@ def test_without_a_compiler_or_when_the_build_fails_torch_serves_and_says_why(mo
     assert not list((tmp_path / "kunlun_infer" / "kernels").glob("*.so"))  # no half-written library left
 
 
+_AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"}
+
+
 @pytest.mark.parametrize("flags, expected, why", [
-    ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"}, "avx512-bf16",
-     "bf16 dot products"),
-    ({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}, "avx2", "lacks avx512_bf16, avx512_vnni"),
-    ({"avx2", "fma", "f16c"}, "avx2", "lacks avx512_bf16"),
+    (_AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}, "amx", "bf16 GEMMs on the AMX tiles"),
+    (_AVX512_BF16, "avx512-bf16",
+     "bf16 dot products (VDPBF16PS) and int8 (VNNI); the CPU lacks amx_bf16, amx_tile for amx"),
+    ({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}, "avx2",
+     "lacks amx_bf16, amx_tile, avx512_bf16, avx512_vnni for amx"),
+    ({"avx2", "fma", "f16c"}, "avx2", "lacks amx_bf16, amx_tile, avx512_bf16"),
     ({"sse4_2", "avx"}, None, "lacks avx2, f16c, fma"),
 ])
 def test_the_kernel_set_follows_the_cpu_flags(monkeypatch, flags, expected, why):
@@ -551,7 +550,7 @@ def test_plugins_listing_and_doctor_name_the_kernel_set_and_why(monkeypatch):
     assert f"cpu_kernels {stack['cpu_kernels']}" in out.getvalue()
     if {"avx2", "fma", "f16c"} <= cpu_native.cpu_flags():
         assert stack["cpu_kernels"].startswith("avx2 (AVX2 + FMA kernels")
-        assert "the CPU lacks avx512_bf16" in stack["cpu_kernels"]
+        assert "the CPU lacks amx_bf16, amx_tile, avx512_bf16" in stack["cpu_kernels"]
         assert "KUNLUN_INFER_CPU_ISA=avx2" in stack["cpu_kernels"]
 
 

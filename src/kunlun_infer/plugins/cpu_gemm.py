@@ -6,9 +6,9 @@ bandwidth — and on a CPU without AVX512-BF16 torch's bf16 matmul falls back
 to scalar code. The kernels read each weight once per step as a sequential
 stream of tiles (32 output features on AVX-512, 16 on AVX2; the layouts are
 described in the C sources) and, for prefill, reuse each tile from cache for
-every block of rows. Weights in bf16 and float32 are packed here whenever
-:func:`kunlun_infer.plugins.cpu_native.selection` loaded a kernel set; on a CPU
-with AMX bf16 weights go to oneDNN instead (see ``cpu_kernels``).
+every block of rows; the ``amx`` set multiplies the same bf16 tiles on the
+AMX tile unit. Weights in bf16 and float32 are packed here whenever
+:func:`kunlun_infer.plugins.cpu_native.selection` loaded a kernel set.
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ Where the time of a CPU step goes, and what each kernel does about it:
 - ``linear`` — the weights. A bfloat16 or float32 weight is packed once, at
   load, for the native GEMM of :mod:`kunlun_infer.plugins.cpu_gemm`, which
   streams it at close to memory speed for the few rows of a decode step and
-  keeps the FMA units busy for a prefill; on a CPU with AMX, bf16 weights go
-  to oneDNN's tile kernels (``mkldnn._reorder_linear_weight``, then
-  ``mkldnn._linear_pointwise``), which is also the bf16 fallback without
-  native kernels. Other dtypes keep the weight as it is and use ``F.linear``.
+  keeps the FMA units (or, with AMX, the tile unit) busy for a prefill.
+  Without native kernels, or for a bf16 weight they do not take (odd
+  in-features), oneDNN multiplies bf16 (``mkldnn._reorder_linear_weight``,
+  then ``mkldnn._linear_pointwise``). Other dtypes keep the weight as it is
+  and use ``F.linear``.
 - ``int8_linear`` (``model.quantization=int8``) — int8 weights packed at load
   for the native int8 GEMM (VNNI dot products where the CPU has them, AVX2
   byte multiply-adds elsewhere), activations quantized per row in the call.

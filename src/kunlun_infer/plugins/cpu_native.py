@@ -2,7 +2,8 @@
 
 A *kernel set* is the whole of ``native/*.c`` compiled for one instruction
 set (``simd.h`` gives the sources one vector vocabulary): ``avx512-bf16``
-(AVX-512 with the bf16 and VNNI dot products), ``avx2-vnni`` and ``avx2``
+(AVX-512 with the bf16 and VNNI dot products), ``amx`` (the same, bf16 GEMMs
+of many rows on the AMX tiles), ``avx2-vnni`` and ``avx2``
 (AVX2 + FMA + F16C, bf16 weights widened to float32 in registers; int8 dot
 products through AVX-VNNI where the CPU has it). :func:`selection` — the one
 place that decides — takes the best set this CPU runs
@@ -11,8 +12,7 @@ place that decides — takes the best set this CPU runs
 user's cache (``$XDG_CACHE_HOME/kunlun_infer/kernels``, keyed by sources,
 flags and compiler) the first time a kernel is needed, and loads it (an
 AVX2 build then measures once per CPU from how many rows its GEMMs take
-tiles in chunks: :mod:`~kunlun_infer.plugins.cpu_tuning`). On a CPU with
-AMX the bf16 linear goes to oneDNN's tile kernels instead (set ``amx``).
+tiles in chunks: :mod:`~kunlun_infer.plugins.cpu_tuning`).
 With no set fitting the CPU, no compiler, or a failed build, the ops keep
 to their torch implementations; the reason is logged once and shown by
 ``kunlun-infer plugins`` and ``doctor``. The kernels parallelise with
@@ -58,6 +58,11 @@ class KernelSet:
 
 #: every kernel set, best first; the first whose ``requires`` the CPU has is chosen
 KERNEL_SETS: tuple[KernelSet, ...] = (
+    KernelSet("amx", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma", "amx_tile",
+                                "amx_bf16"}),
+              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma",
+               "-mf16c", "-mamx-tile", "-mamx-bf16"),
+              "AVX-512 kernels, bf16 GEMMs on the AMX tiles, int8 through VNNI"),
     KernelSet("avx512-bf16", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma"}),
               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma",
                "-mf16c"),
@@ -100,9 +105,10 @@ SIGNATURES = {
 class Selection:
     """What serves the host ops on this machine, and why.
 
-    ``name``: ``amx``, ``avx512-bf16``, ``avx2`` or ``torch`` (no native kernels). ``kernel_set``: the
-    native build in use (``None`` for ``torch``); ``library``: it, loaded. ``bf16_linear``: who multiplies
-    bf16 weights (``native``, ``onednn`` or ``torch``). ``reason``: one line a user can act on.
+    ``name``: the kernel set's (``amx``, ``avx512-bf16``, ``avx2-vnni``, ``avx2``) or ``torch`` (no native
+    kernels). ``kernel_set``: the native build in use (``None`` for ``torch``); ``library``: it, loaded.
+    ``bf16_linear``: who multiplies bf16 weights (``native``, ``onednn`` — torch's, on a CPU with AMX — or
+    ``torch``). ``reason``: one line a user can act on.
     """
 
     name: str
@@ -219,7 +225,7 @@ def load(kernel_set: KernelSet) -> ctypes.CDLL:
 def selection() -> Selection:
     """Which kernels serve the host ops here (decided once per process; tests clear the cache)."""
     kernel_set, reason = planned()
-    amx = "amx_bf16" in cpu_flags()
+    amx = "amx_bf16" in cpu_flags()  # without native kernels oneDNN multiplies bf16 weights on the tiles
     if kernel_set is None:
         log.info("native CPU kernels not used: %s; using torch's kernels", reason)
         return Selection("torch", None, None, "onednn" if amx else "torch", reason)
@@ -230,9 +236,9 @@ def selection() -> Selection:
         why = f"the {kernel_set.name} kernels did not build: {detail[-1] if detail else exc}"
         log.info("native CPU kernels not used: %s; using torch's kernels", why)
         return Selection("torch", None, None, "onednn" if amx else "torch", why)
-    if amx:
-        return Selection("amx", kernel_set, lib, "onednn",
-                         f"bf16 linear through oneDNN's AMX tiles, the rest {kernel_set.name}: {reason}")
+    if hasattr(lib, "kunlun_amx_tiles") and not lib.kunlun_amx_tiles():
+        reason += "; the OS did not grant the AMX tile state (Linux 5.16 or later does), so the bf16 GEMMs use " \
+                  "VDPBF16PS"
     return Selection(kernel_set.name, kernel_set, lib, "native", reason + _measured_note(kernel_set))
 
 
@@ -250,7 +256,7 @@ def describe_planned() -> str:
     kernel_set, reason = planned()
     if kernel_set is None:
         return f"torch ({reason})"
-    name = "amx" if "amx_bf16" in cpu_flags() else kernel_set.name
+    name = kernel_set.name
     cc, path = compiler()
     if path is None:
         return f"torch (no C compiler '{cc}' to build the {kernel_set.name} kernels)"
