@@ -335,8 +335,10 @@ def test_int8_kernel_rounds_activations_half_to_even(native_kernel_set, dtype):
     assert torch.equal(x_scale, torch.ones(3)) and qx.flatten()[1:5].tolist() == [-20, -18, -18, -16]
     g = torch.Generator().manual_seed(5)
     q, scale = reference.quantize_int8(torch.randn(40, 27, generator=g))
-    got = cpu_kernels.int8_linear(x, cpu_kernels.pack_int8_linear_weight(q, scale))
-    assert torch.equal(got, reference.int8_linear(x, (q, scale)))
+    packed = cpu_kernels.pack_int8_linear_weight(q, scale)
+    assert torch.equal(cpu_kernels.int8_linear(x, packed), reference.int8_linear(x, (q, scale)))
+    many = x.repeat(6, 1)  # 18 rows: more than one block of the vector path, a tile and more with AMX
+    assert torch.equal(cpu_kernels.int8_linear(many, packed), reference.int8_linear(many, (q, scale)))
 
 
 def test_int8_linear_without_native_kernels_is_the_reference(kernel_set):
@@ -492,12 +494,12 @@ _AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
 
 
 @pytest.mark.parametrize("flags, expected, why", [
-    (_AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}, "amx", "bf16 GEMMs on the AMX tiles"),
+    (_AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}, "amx", "bf16 and int8 GEMMs on the AMX tiles"),
     (_AVX512_BF16, "avx512-bf16",
-     "bf16 dot products (VDPBF16PS) and int8 (VNNI); the CPU lacks amx_bf16, amx_tile for amx"),
+     "bf16 dot products (VDPBF16PS) and int8 (VNNI); the CPU lacks amx_bf16, amx_int8, amx_tile for amx"),
     ({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}, "avx2",
-     "lacks amx_bf16, amx_tile, avx512_bf16, avx512_vnni for amx"),
-    ({"avx2", "fma", "f16c"}, "avx2", "lacks amx_bf16, amx_tile, avx512_bf16"),
+     "lacks amx_bf16, amx_int8, amx_tile, avx512_bf16, avx512_vnni for amx"),
+    ({"avx2", "fma", "f16c"}, "avx2", "lacks amx_bf16, amx_int8, amx_tile, avx512_bf16"),
     ({"sse4_2", "avx"}, None, "lacks avx2, f16c, fma"),
 ])
 def test_the_kernel_set_follows_the_cpu_flags(monkeypatch, flags, expected, why):
@@ -550,7 +552,7 @@ def test_plugins_listing_and_doctor_name_the_kernel_set_and_why(monkeypatch):
     assert f"cpu_kernels {stack['cpu_kernels']}" in out.getvalue()
     if {"avx2", "fma", "f16c"} <= cpu_native.cpu_flags():
         assert stack["cpu_kernels"].startswith("avx2 (AVX2 + FMA kernels")
-        assert "the CPU lacks amx_bf16, amx_tile, avx512_bf16" in stack["cpu_kernels"]
+        assert "the CPU lacks amx_bf16, amx_int8, amx_tile, avx512_bf16" in stack["cpu_kernels"]
         assert "KUNLUN_INFER_CPU_ISA=avx2" in stack["cpu_kernels"]
 
 

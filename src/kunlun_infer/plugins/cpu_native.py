@@ -2,8 +2,8 @@
 
 A *kernel set* is the whole of ``native/*.c`` compiled for one instruction
 set (``simd.h`` gives the sources one vector vocabulary): ``avx512-bf16``
-(AVX-512 with the bf16 and VNNI dot products), ``amx`` (the same, bf16 GEMMs
-of many rows on the AMX tiles), ``avx2-vnni`` and ``avx2``
+(AVX-512 with the bf16 and VNNI dot products), ``amx`` (the same, its bf16
+and int8 GEMMs on the AMX tiles), ``avx2-vnni`` and ``avx2``
 (AVX2 + FMA + F16C, bf16 weights widened to float32 in registers; int8 dot
 products through AVX-VNNI where the CPU has it). :func:`selection` — the one
 place that decides — takes the best set this CPU runs
@@ -59,10 +59,10 @@ class KernelSet:
 #: every kernel set, best first; the first whose ``requires`` the CPU has is chosen
 KERNEL_SETS: tuple[KernelSet, ...] = (
     KernelSet("amx", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma", "amx_tile",
-                                "amx_bf16"}),
+                                "amx_bf16", "amx_int8"}),
               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma",
-               "-mf16c", "-mamx-tile", "-mamx-bf16"),
-              "AVX-512 kernels, bf16 GEMMs on the AMX tiles, int8 through VNNI"),
+               "-mf16c", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+              "AVX-512 kernels, bf16 and int8 GEMMs on the AMX tiles"),
     KernelSet("avx512-bf16", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma"}),
               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma",
                "-mf16c"),
@@ -237,8 +237,8 @@ def selection() -> Selection:
         log.info("native CPU kernels not used: %s; using torch's kernels", why)
         return Selection("torch", None, None, "onednn" if amx else "torch", why)
     if hasattr(lib, "kunlun_amx_tiles") and not lib.kunlun_amx_tiles():
-        reason += "; the OS did not grant the AMX tile state (Linux 5.16 or later does), so the bf16 GEMMs use " \
-                  "VDPBF16PS"
+        reason += "; the OS did not grant the AMX tile state (Linux 5.16 or later does), so the GEMMs use the " \
+                  "AVX-512 dot products"
     return Selection(kernel_set.name, kernel_set, lib, "native", reason + _measured_note(kernel_set))
 
 

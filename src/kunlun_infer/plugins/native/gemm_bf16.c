@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"
 #include "simd.h"
 
 #if defined(__AVX512BF16__)
@@ -85,14 +86,14 @@ static inline __attribute__((always_inline)) void tile_rows(
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_K 32
+#define AMX_K 32 /* reductions a tile step takes: 32 bf16, 64 bytes */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-/* Linux hands a process the tile registers' state only when asked: 1 once granted, -1 if refused. */
+/* Linux hands a process the tile registers' state only when asked: 1 once granted, -1 if refused */
 static int amx_permission;
 
-static int amx_ready(void) {
+int kunlun_amx_tiles(void) {
     int state = __atomic_load_n(&amx_permission, __ATOMIC_ACQUIRE);
     if (state == 0) {
         state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
@@ -101,63 +102,13 @@ static int amx_ready(void) {
     return state > 0;
 }
 
-/* 1 when the bf16 GEMMs run on the tiles here, 0 when the OS refused the process the tile state */
-int kunlun_amx_tiles(void) { return amx_ready(); }
-
-/* the compiler's tile loads (and configuration load) do not tell it they read memory: stores to local buffers
- * they read are kept by this barrier */
-#define AMX_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) tile_config;
-
-/* tiles 0-3: sums (row block i, output half j at 2 * i + j); 4, 5: rows of X; 6, 7: the weight's halves.
- * Loading a configuration zeroes every tile: a block of other rows starts its sums so, one of the same rows
- * zeroes them. */
-static void amx_configure(int rows0, int rows1) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    const int rows[2] = {rows0, rows1};
-    for (int i = 0; i < 2; i++) {
-        for (int j = 0; j < 2; j++) {
-            c.rows[2 * i + j] = rows[i];
-            c.colsb[2 * i + j] = 16 * sizeof(float);
-        }
-        c.rows[4 + i] = rows[i];
-        c.colsb[4 + i] = AMX_K * sizeof(uint16_t);
-        c.rows[6 + i] = AMX_K / 2;
-        c.colsb[6 + i] = 64;
-    }
-    AMX_MEMORY_BARRIER();
-    _tile_loadconfig(&c);
-}
-
-/* one step of 32 reductions: x at (row block, k) with row stride ldx bytes, w at the pair row of k (stride 128) */
-#define AMX_STEP(X, LDX, W, TWO)                                                                              \
-    do {                                                                                                      \
-        _tile_loadd(6, (W), 128);                                                                             \
-        _tile_loadd(7, (const char *)(W) + 64, 128);                                                         \
-        _tile_loadd(4, (X), (LDX));                                                                           \
-        _tile_dpbf16ps(0, 4, 6);                                                                              \
-        _tile_dpbf16ps(1, 4, 7);                                                                              \
-        if (TWO) {                                                                                            \
-            _tile_loadd(5, (const char *)(X) + 16 * (LDX), (LDX));                                            \
-            _tile_dpbf16ps(2, 5, 6);                                                                          \
-            _tile_dpbf16ps(3, 5, 7);                                                                          \
-        }                                                                                                     \
-    } while (0)
-
 /* rows r0.. of Y for weight tile pt (up to 32 rows, `rows` of them), over the whole of K */
 static void amx_block(const uint16_t *pt, const uint16_t *x, int64_t k, const float *bias, uint16_t *y, int64_t ldy,
                       int rows, __mmask16 mask0, __mmask16 mask1) {
     const int two = rows > 16;
     const int64_t ldx = k * (int64_t)sizeof(uint16_t), full = k / AMX_K * AMX_K;
     for (int64_t q = 0; q < full; q += AMX_K)
-        AMX_STEP(x + q, ldx, pt + q * TILE_N, two);
+        AMX_STEP(_tile_dpbf16ps, x + q, ldx, pt + q * TILE_N, two);
     if (full < k) { /* the ragged end of K: zero-padded copies of its rows and of its pairs of the weight */
         const int64_t left = k - full;
         uint16_t xs[32][AMX_K] __attribute__((aligned(64)));
@@ -168,15 +119,10 @@ static void amx_block(const uint16_t *pt, const uint16_t *x, int64_t k, const fl
             memcpy(xs[r], x + r * k + full, left * sizeof(uint16_t));
         memcpy(ws, pt + full * TILE_N, left * TILE_N * sizeof(uint16_t));
         AMX_MEMORY_BARRIER();
-        AMX_STEP(xs, AMX_K * (int64_t)sizeof(uint16_t), ws, two);
+        AMX_STEP(_tile_dpbf16ps, xs, AMX_K * (int64_t)sizeof(uint16_t), ws, two);
     }
     float sums[32][32] __attribute__((aligned(64)));
-    _tile_stored(0, &sums[0][0], 32 * sizeof(float));
-    _tile_stored(1, &sums[0][16], 32 * sizeof(float));
-    if (two) {
-        _tile_stored(2, &sums[16][0], 32 * sizeof(float));
-        _tile_stored(3, &sums[16][16], 32 * sizeof(float));
-    }
+    amx_store_sums(sums, rows);
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
@@ -192,7 +138,7 @@ static void amx_gemm(const uint16_t *p, const uint16_t *x, const float *bias, ui
     const int64_t tiles = (n + TILE_N - 1) / TILE_N;
     #pragma omp parallel
     {
-        int configured = -1; /* rows of the configuration loaded last: a block of other rows loads its own */
+        int configured = -1; /* rows of the configuration loaded last */
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t left = n - t * TILE_N;
@@ -202,15 +148,11 @@ static void amx_gemm(const uint16_t *p, const uint16_t *x, const float *bias, ui
             const float *bt = bias ? bias + t * TILE_N : NULL;
             for (int64_t r0 = 0; r0 < m; r0 += 32) {
                 const int rows = m - r0 < 32 ? (int)(m - r0) : 32;
-                const int rows0 = rows < 16 ? rows : 16, rows1 = rows > 16 ? rows - 16 : 1;
                 if (configured != rows) {
-                    amx_configure(rows0, rows1); /* zeroes the sums */
+                    amx_configure(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 1);
                     configured = rows;
                 } else {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
+                    amx_zero_sums();
                 }
                 amx_block(pt, x + r0 * k, k, bt, y + r0 * n + t * TILE_N, n, rows, mask0, mask1);
             }
@@ -224,7 +166,7 @@ static void amx_gemm(const uint16_t *p, const uint16_t *x, const float *bias, ui
 int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k) {
 #if defined(__AMX_BF16__)
-    if (amx_ready()) {
+    if (kunlun_amx_tiles()) {
         amx_gemm(p, x, bias, y, m, n, k);
         return 0;
     }

@@ -1,0 +1,85 @@
+/*
+ * What the AMX GEMMs (gemm_bf16.c, gemm_int8.c) share: the tile state the OS must grant, and one tile layout.
+ *
+ * Both multiply a packed weight whose tile of 32 outputs keeps, per step of the reduction, 32 outputs x 4
+ * bytes side by side (bf16 pairs or int8 quads): two AMX B tiles with a 128-byte stride, outputs 0-15 and
+ * 16-31, 16 rows of 64 bytes each. Tiles 0-3 hold the sums (row block i, output half j at 2 * i + j), 4 and
+ * 5 two blocks of up to 16 rows of X, 6 and 7 the weight's halves. Part of the build's cache key.
+ */
+#ifndef KUNLUN_AMX_H
+#define KUNLUN_AMX_H
+
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* 1 when the GEMMs run on the tiles here, 0 when the OS refused the process the tile state (gemm_bf16.c) */
+int kunlun_amx_tiles(void);
+
+/* the compiler's tile loads (and configuration load) do not tell it they read memory: stores to local buffers
+ * they read are kept by this barrier */
+#define AMX_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) amx_tile_config;
+
+/* The layout above for blocks of rows0 and rows1 rows of X. Loading a configuration zeroes every tile: a block of
+ * other rows starts its sums so, one of the same rows zeroes them (amx_zero_sums). */
+static inline void amx_configure(int rows0, int rows1) {
+    amx_tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int rows[2] = {rows0, rows1};
+    for (int i = 0; i < 2; i++) {
+        for (int j = 0; j < 2; j++) {
+            c.rows[2 * i + j] = rows[i];
+            c.colsb[2 * i + j] = 64;
+        }
+        c.rows[4 + i] = rows[i];
+        c.colsb[4 + i] = 64;
+        c.rows[6 + i] = 16;
+        c.colsb[6 + i] = 64;
+    }
+    AMX_MEMORY_BARRIER();
+    _tile_loadconfig(&c);
+}
+
+static inline void amx_zero_sums(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* the sum tiles of a block of `rows` rows into sums [32][32] (32-bit values) */
+static inline void amx_store_sums(void *sums, int rows) {
+    _tile_stored(0, sums, 128);
+    _tile_stored(1, (char *)sums + 64, 128);
+    if (rows > 16) {
+        _tile_stored(2, (char *)sums + 16 * 128, 128);
+        _tile_stored(3, (char *)sums + 16 * 128 + 64, 128);
+    }
+}
+
+/* one step of the reduction: tile loads of X at (row block, step) with row stride LDX bytes and of the weight's
+ * step W (stride 128), then DOT(sum, x, w) for each block and half */
+#define AMX_STEP(DOT, X, LDX, W, TWO)                                                                          \
+    do {                                                                                                      \
+        _tile_loadd(6, (W), 128);                                                                             \
+        _tile_loadd(7, (const char *)(W) + 64, 128);                                                         \
+        _tile_loadd(4, (X), (LDX));                                                                           \
+        DOT(0, 4, 6);                                                                                         \
+        DOT(1, 4, 7);                                                                                         \
+        if (TWO) {                                                                                            \
+            _tile_loadd(5, (const char *)(X) + 16 * (LDX), (LDX));                                            \
+            DOT(2, 5, 6);                                                                                     \
+            DOT(3, 5, 7);                                                                                     \
+        }                                                                                                     \
+    } while (0)
+
+#endif
+#endif
