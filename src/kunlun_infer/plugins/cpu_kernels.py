@@ -14,7 +14,8 @@ Where the time of a CPU step goes, and what each kernel does about it:
   and use ``F.linear``.
 - ``int8_linear`` (``model.quantization=int8``) — int8 weights packed at load
   for the native int8 GEMM (the AMX tiles or VNNI dot products where the CPU
-  has them, AVX2 byte multiply-adds elsewhere), activations quantized per row in the call.
+  has them, AVX2 byte multiply-adds elsewhere), activations quantized per row
+  in the call.
 - ``paged_attention`` — :mod:`kunlun_infer.plugins.cpu_attention`: decode
   reads K/V in place through the block tables, prompts run through SDPA.
 - ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary_embedding``,

@@ -132,6 +132,17 @@ INLINE void quantize_vector(vf v, vf scale, int8_t *q, uint8_t *mag) {
 #endif
 }
 
+/* the quantization scale of row `row` of X: max |x| / 127 (1 for a row of zeros) */
+INLINE float row_scale(const void *x, const int xbf16, int64_t row, int64_t k) {
+    vf top = vf_zero();
+    for (int64_t i = 0; i < k; i += VLEN) {
+        const vf v = vf_load_n(x, row * k + i, k - i, xbf16);
+        top = vf_max(top, vf_max(v, vf_sub(vf_zero(), v)));
+    }
+    const float amax = vf_hmax(top);
+    return amax > 0.0f ? amax / 127.0f : 1.0f;
+}
+
 /* Quantize rows [0, rows) of X (bf16 or float32) into blocks of `per_block` rows, [K / 4][XW][MR] groups of
  * four bytes; the rows' scales into sx. */
 static void quantize_rows(const void *x, const int xbf16, int64_t rows, int64_t k, int64_t per_block,
@@ -141,12 +152,7 @@ static void quantize_rows(const void *x, const int xbf16, int64_t rows, int64_t 
     for (int64_t row = 0; row < rows; row++) {
         const int64_t b = row / per_block, r = row % per_block;
         uint32_t *block = dst + b * groups * MR * XW;
-        vf top = vf_zero();
-        for (int64_t i = 0; i < k; i += VLEN) {
-            const vf v = vf_load_n(x, row * k + i, k - i, xbf16);
-            top = vf_max(top, vf_max(v, vf_sub(vf_zero(), v)));
-        }
-        const float amax = vf_hmax(top), scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+        const float scale = row_scale(x, xbf16, row, k);
         sx[row] = scale;
         const vf vscale = vf_set1(scale);
         for (int64_t i = 0; i < k; i += VLEN) {  /* past K the loads give zeros: the last group's padding */
@@ -289,12 +295,7 @@ static void amx_quantize_rows(const void *x, const int xbf16, int64_t m, int64_t
                               float *sx) {
     #pragma omp for schedule(static)
     for (int64_t row = 0; row < m; row++) {
-        vf top = vf_zero();
-        for (int64_t i = 0; i < k; i += VLEN) {
-            const vf v = vf_load_n(x, row * k + i, k - i, xbf16);
-            top = vf_max(top, vf_max(v, vf_sub(vf_zero(), v)));
-        }
-        const float amax = vf_hmax(top), scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+        const float scale = row_scale(x, xbf16, row, k);
         sx[row] = scale;
         const vf vscale = vf_set1(scale);
         int64_t i = 0;
