@@ -27,8 +27,7 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) amx_tile_config;
 
-/* The layout above for blocks of rows0 and rows1 rows of X. Loading a configuration zeroes every tile: a block of
- * other rows starts its sums so, one of the same rows zeroes them (amx_zero_sums). */
+/* The layout above for blocks of rows0 and rows1 rows of X; loading it zeroes every tile. */
 static inline void amx_configure(int rows0, int rows1) {
     amx_tile_config c;
     memset(&c, 0, sizeof c);
@@ -48,11 +47,18 @@ static inline void amx_configure(int rows0, int rows1) {
     _tile_loadconfig(&c);
 }
 
-static inline void amx_zero_sums(void) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+/* Zero sums for a block of `rows` rows (up to 32): the layout loaded for them unless *configured (the rows of the
+ * layout this thread loaded last) says it is there already. */
+static inline void amx_start_block(int rows, int *configured) {
+    if (*configured != rows) {
+        amx_configure(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 1);
+        *configured = rows;
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
 }
 
 /* the sum tiles of a block of `rows` rows into sums [32][32] (32-bit values) */

@@ -138,22 +138,15 @@ static void amx_gemm(const uint16_t *p, const uint16_t *x, const float *bias, ui
     const int64_t tiles = (n + TILE_N - 1) / TILE_N;
     #pragma omp parallel
     {
-        int configured = -1; /* rows of the configuration loaded last */
+        int configured = -1;
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            const int64_t left = n - t * TILE_N;
-            const __mmask16 mask0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-            const __mmask16 mask1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+            const __mmask16 mask0 = tail_mask(n - t * TILE_N), mask1 = tail_mask(n - t * TILE_N - 16);
             const uint16_t *pt = p + t * k * TILE_N;
             const float *bt = bias ? bias + t * TILE_N : NULL;
             for (int64_t r0 = 0; r0 < m; r0 += 32) {
                 const int rows = m - r0 < 32 ? (int)(m - r0) : 32;
-                if (configured != rows) {
-                    amx_configure(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 1);
-                    configured = rows;
-                } else {
-                    amx_zero_sums();
-                }
+                amx_start_block(rows, &configured);
                 amx_block(pt, x + r0 * k, k, bt, y + r0 * n + t * TILE_N, n, rows, mask0, mask1);
             }
         }
@@ -174,9 +167,7 @@ int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, ui
     const int64_t tiles = (n + TILE_N - 1) / TILE_N;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t left = n - t * TILE_N;
-        const __mmask16 mask0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-        const __mmask16 mask1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+        const __mmask16 mask0 = tail_mask(n - t * TILE_N), mask1 = tail_mask(n - t * TILE_N - 16);
         const uint16_t *pt = p + t * k * TILE_N;
         const float *bt = bias ? bias + t * TILE_N : NULL;
         for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {

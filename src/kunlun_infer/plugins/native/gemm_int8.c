@@ -353,18 +353,13 @@ static int amx_gemm_int8(const int8_t *p, const void *x, const int xbf16, const 
     #pragma omp parallel
     {
         amx_quantize_rows(x, xbf16, m, k, kp, q, sx); /* a wait */
-        int configured = -1; /* rows of the configuration loaded last */
+        int configured = -1;
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
             for (int64_t r0 = 0; r0 < m; r0 += 32) {
                 const int rows = m - r0 < 32 ? (int)(m - r0) : 32;
-                if (configured != rows) {
-                    amx_configure(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 1);
-                    configured = rows;
-                } else {
-                    amx_zero_sums();
-                }
+                amx_start_block(rows, &configured);
                 amx_block_int8(p + t * groups * NR * 4, q + r0 * kp, kp, groups, sx + r0, scales + col,
                                bias ? bias + col : NULL, (char *)y + (r0 * n + col) * (xbf16 ? 2 : 4), n, cols, xbf16,
                                rows);
