@@ -134,8 +134,7 @@ INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w
  * AVX2: 1.07-1.12x the time at 1 row, 1.03x at 2, 0.92x at 4, 0.82x at 6, 0.71-0.91x at 8; AVX-512 without any
  * (against non-temporal at 1 row, second-level at 2): 0.89-0.98x at 1 row, 0.87-0.96x at 2, and a float32 decode
  * step in the engine 0.94x (three processes each, in turns; its head's GEMV 0.89x). What is asked for goes into
- * the second-level cache: the one block that would ask non-temporally (PREFETCH_NTA: one row with AVX-512) is
- * float32 here, which asks for nothing, and bf16 with AVX-512 is gemm_bf16.c's.
+ * the second-level cache (see UNPREFETCHED in simd.h; bf16 with AVX-512 is gemm_bf16.c's).
  * Each pass of the loop takes at least one cache line of weight (with AVX2 a bf16 block of 4-6 rows takes two
  * reductions a pass), so that it asks for whole lines without testing where one starts. Zen 3, in turns, a
  * whole 0.5B model's bf16 GEMMs in huge pages, medians of 10-12 turns: 1 row 62.5 -> 60.1 ms, 4 rows 77.3 ->
@@ -151,7 +150,7 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
     const int turn = step * phases < 64 ? 64 / step : phases;  /* reductions per pass: whole turns, a line or more */
     for (; q + turn <= k; q += turn) {
         if (wkind == WEIGHT_BF16 || rows > 2)
-            prefetch_span((const char *)w + q * step, turn * step, 0);
+            prefetch_span((const char *)w + q * step, turn * step);
         UNROLL for (int i = 0; i < turn; i++) {
             const int p = i % phases;
             vf w0, w1;

@@ -52,7 +52,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         /* a decode step of one row asks for nothing: one VDPBF16PS per 64 bytes, which the hardware prefetchers keep
          * fed (Zen 4, a bf16 batch-1 step in the engine, six processes each in turns against the non-temporal
          * prefetch: faster in every pair, medians 34.0 -> 31.6 ms) */
-        if (!(once && rows == 1)) prefetch_span(p + q * 2 * TILE_N, 4 * TILE_N, 0);
+        if (!UNPREFETCHED(once, rows)) prefetch_span(p + q * 2 * TILE_N, 4 * TILE_N);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + q * 2 * TILE_N);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(p + q * 2 * TILE_N + 32);
         for (int r = 0; r < rows; r++) {

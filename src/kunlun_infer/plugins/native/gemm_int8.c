@@ -175,7 +175,7 @@ INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, con
         UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vi_zero();
     int64_t g = 0;
     for (; g + phases <= groups; g += phases) {
-        prefetch_span(w + g * NR * 4, phases * NR * 4, PREFETCH_NTA(once, rows));
+        if (!UNPREFETCHED(once, rows)) prefetch_span(w + g * NR * 4, phases * NR * 4);
         UNROLL for (int p = 0; p < phases; p++) {
             const vi w0 = vi_load(w + (g + p) * NR * 4), w1 = vi_load(w + (g + p) * NR * 4 + VLEN * 4);
             UNROLL for (int r = 0; r < rows; r++) {

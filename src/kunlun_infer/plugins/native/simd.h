@@ -227,37 +227,31 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
 #define PREFETCH_BYTES 8192
 
 /* Whether a block of `rows` rows that reads its weight `once` (a decode step's rows all in one block) asks for
- * it non-temporally (NTA) rather than into the second-level cache (T1): only one row with AVX-512. A prefetch
- * into the first level holds one of its few miss buffers until the line arrives from memory, and those run out
- * before the bandwidth does wherever a line costs more than a few instructions, while the second level keeps
- * many more requests in flight (the decode attention's prefetch found the same). A stream asked for
- * non-temporally does not push out of the caches what the rest of the step reads again (norm weights, the KV
- * cache, the interpreter's own data), which pays where the miss buffers keep up: a single row with AVX-512, a
- * VDPBF16PS or VPDPBUSD per 64 bytes. Zen 4, in turns against first-level prefetches (NTA for one block, T0
- * for several), the 0.5B model's layer GEMMs: AVX2 bf16 0.77-0.89x the time at 1 row, 0.81-0.85x at 4,
- * 0.89x at 8; int8 0.67-0.89x at 1 row (AVX2) and 0.70x at 8 (AVX-512); AVX-512 bf16 0.89-0.92x at 8 rows.
- * Decode steps in the engine, separate processes in turns: AVX2 bf16 batch 1 0.72-0.84x; AVX-512 at batch 8
- * bf16 0.72-0.88x, int8 0.75-0.83x; AVX-512 bf16 batch 1 1.08x (median of 5) with T1, its GEMMs alone no
- * faster, hence NTA there. Since, a single row of bf16 or float32 weights asks for nothing at all (gemm_bf16.c,
- * gemm.c); int8 keeps NTA, no prefetch measuring within the noise of it (batch-1 steps, eight processes each in
- * turns: medians 20.7 and 19.7 ms, each faster in four pairs). */
-#define PREFETCH_NTA(once, rows) (VLEN == 16 && (once) && (rows) == 1)
+ * nothing ahead: one row with AVX-512, where one VDPBF16PS, VPDPBUSD or FMA per 64 bytes leaves the hardware
+ * prefetchers enough time; everything else asks into the second-level cache (T1). A prefetch into the first
+ * level holds one of its few miss buffers until the line arrives from memory, and those run out before the
+ * bandwidth does wherever a line costs more than a few instructions, while the second level keeps many more
+ * requests in flight (the decode attention's prefetch found the same). Zen 4, in turns against first-level
+ * prefetches (NTA for one block, T0 for several), the 0.5B model's layer GEMMs: AVX2 bf16 0.77-0.89x the time
+ * at 1 row, 0.81-0.85x at 4, 0.89x at 8; int8 0.67-0.89x at 1 row (AVX2) and 0.70x at 8 (AVX-512); AVX-512
+ * bf16 0.89-0.92x at 8 rows. Decode steps in the engine, separate processes in turns: AVX2 bf16 batch 1
+ * 0.72-0.84x; AVX-512 at batch 8 bf16 0.72-0.88x, int8 0.75-0.83x; AVX-512 bf16 batch 1 1.08x (median of 5)
+ * with T1, its GEMMs alone no faster. A single row of bf16 or float32 weights with AVX-512 then measured best
+ * asking for nothing at all (gemm_bf16.c, gemm.c), and int8 within the noise of a non-temporal prefetch (Zen 4,
+ * batch-1 steps, eight processes each in turns: medians 19.7 and 20.7 ms, each faster in four pairs). On a
+ * Xeon with AMX capped to AVX-512 the non-temporal prefetch of int8 at one row read 8.5 GB/s, nothing 16.8
+ * and T1 19.7 (24 layers' GEMMs, best of 5 in turns), so int8 asks for nothing there too. */
+#define UNPREFETCHED(once, rows) (VLEN == 16 && (once) && (rows) == 1)
 
-/* Every cache line of the `bytes` bytes at p + PREFETCH_BYTES, non-temporally if `nta` (see PREFETCH_NTA);
- * a span under one line asks for the line only when p starts one (so a stream advancing by less than a line
- * asks once per line). */
-INLINE void prefetch_span(const void *p, const int64_t bytes, const int nta) {
+/* Every cache line of the `bytes` bytes at p + PREFETCH_BYTES, into the second-level cache; a span under one
+ * line asks for the line only when p starts one (so a stream advancing by less than a line asks once per
+ * line). */
+INLINE void prefetch_span(const void *p, const int64_t bytes) {
     const char *ahead = (const char *)p + PREFETCH_BYTES;
     if (bytes >= 64) {
-        if (nta)
-            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_NTA);
-        else
-            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
     } else if (((uintptr_t)p & 63) == 0) {
-        if (nta)
-            _mm_prefetch(ahead, _MM_HINT_NTA);
-        else
-            _mm_prefetch(ahead, _MM_HINT_T1);
+        _mm_prefetch(ahead, _MM_HINT_T1);
     }
 }
 
