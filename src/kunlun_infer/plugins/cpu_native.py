@@ -256,11 +256,10 @@ def describe_planned() -> str:
     kernel_set, reason = planned()
     if kernel_set is None:
         return f"torch ({reason})"
-    name = kernel_set.name
     cc, path = compiler()
     if path is None:
         return f"torch (no C compiler '{cc}' to build the {kernel_set.name} kernels)"
-    return f"{name} ({reason}{_measured_note(kernel_set)})"
+    return f"{kernel_set.name} ({reason}{_measured_note(kernel_set)})"
 
 
 def _measured_note(kernel_set: KernelSet) -> str:
