@@ -53,16 +53,16 @@ def cpu_model() -> str:
 #: env var capping the instruction sets the host kernels may use, to run (and test) the kernels another CPU gets
 ISA_ENV = "KUNLUN_INFER_CPU_ISA"
 #: cap -> flag prefixes it hides
-_ISA_CAPS = {"native": (), "avx512": ("amx",), "avx2-vnni": ("avx512", "amx"),
-             "avx2": ("avx512", "amx", "avx_vnni")}
+_ISA_CAPS = {"native": (), "avx512": ("amx",), "avx512-vnni": ("amx", "avx512_bf16"),
+             "avx2-vnni": ("avx512", "amx"), "avx2": ("avx512", "amx", "avx_vnni")}
 
 
 def cpu_flags() -> frozenset[str]:
     """CPU feature flags (``avx2``, ``avx512_bf16`` …) as the OS reports them, less those ``$KUNLUN_INFER_CPU_ISA`` hides.
 
     ``KUNLUN_INFER_CPU_ISA=avx2`` makes an AVX-512 machine choose the kernels of an AVX2-only one
-    (AVX-VNNI hidden too); ``avx2-vnni`` keeps AVX-VNNI; ``avx512`` hides AMX; ``native`` (or unset)
-    hides nothing.
+    (AVX-VNNI hidden too); ``avx2-vnni`` keeps AVX-VNNI; ``avx512`` hides AMX; ``avx512-vnni`` hides AMX and
+    AVX512-BF16 too (a Cascade Lake or Ice Lake Xeon's kernels); ``native`` (or unset) hides nothing.
     """
     info = _cpuinfo()
     flags = frozenset((info.get("flags") or info.get("Features") or "").split())
