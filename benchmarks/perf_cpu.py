@@ -47,7 +47,11 @@ requests; their rows join the table of the kernel set ``--peers-isa`` names
 (default ``native``, the one this CPU chooses). The caps do not reach them:
 a peer runs what it was built for, so to compare on an AVX2-only CPU's terms
 give a llama.cpp built without AVX-512 (``CMAKE_ARGS="-DGGML_NATIVE=OFF
--DGGML_AVX512=OFF ..."``). See ``cpu_peers.py``::
+-DGGML_AVX512=OFF ..."``). On a CPU with AMX, llama-cpp-python 0.3.36 built
+natively (its AMX int8 kernels on) ended every q8_0 run with a segmentation
+fault; built with ``-DGGML_NATIVE=OFF``, AVX-512 on and ``-DGGML_AMX_TILE=OFF
+-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF`` it serves q8_0 (README, the Xeon
+results). See ``cpu_peers.py``::
 
     python benchmarks/perf_cpu.py --llama-cpp-python /opt/peers/bin/python --vllm-python /opt/peers/bin/python
     python benchmarks/perf_cpu.py --isa avx2 --peers-isa avx2 --llama-cpp-python /opt/llama-avx2/bin/python
