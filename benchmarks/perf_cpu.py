@@ -96,6 +96,7 @@ TORCH_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX
               "avx2-vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
                             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
               "avx512-vnni": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
+              "avx512-core": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
               "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "native": {}}
 #: the issue's targets, checked for every kernel set
 TARGETS = {"req8_bf16_of_fp32_bound": 0.80, "req8_bf16_vs_transformers": 3.0, "prefill_256_tok_s": 150.0,
@@ -779,7 +780,8 @@ def accuracy_report(acc: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", default=None,
-                        help="comma-separated kernel-set caps to measure: native, avx512, avx512-vnni, avx2-vnni, avx2 "
+                        help="comma-separated kernel-set caps to measure: native, avx512, avx512-vnni, avx512-core, "
+                             "avx2-vnni, avx2 "
                              "(default: native, plus avx2 when this CPU chooses more)")
     parser.add_argument("--dtypes", default="bfloat16,float32,int8", help="comma-separated: bfloat16,float32,int8")
     parser.add_argument("--quick", action="store_true", help="8 requests only, shorter outputs and probes")

@@ -17,8 +17,8 @@ from kunlun_infer.plugins import cpu_native
 from kunlun_infer.plugins.cpu_device import ISA_ENV
 
 #: kernel set -> the ``KUNLUN_INFER_CPU_ISA`` cap under which a CPU that has it chooses it
-ISA_CAPS = {"amx": "native", "avx512-bf16": "avx512", "avx512-vnni": "avx512-vnni", "avx2-vnni": "avx2-vnni",
-            "avx2": "avx2"}
+ISA_CAPS = {"amx": "native", "avx512-bf16": "avx512", "avx512-vnni": "avx512-vnni", "avx512-core": "avx512-core",
+            "avx2-vnni": "avx2-vnni", "avx2": "avx2"}
 KERNEL_SET_NAMES = (*ISA_CAPS, "torch")
 
 

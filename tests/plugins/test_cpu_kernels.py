@@ -499,8 +499,10 @@ _AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
      "bf16 dot products (VDPBF16PS) and int8 (VNNI); the CPU lacks amx_bf16, amx_int8, amx_tile for amx"),
     (_AVX512_BF16 - {"avx512_bf16"}, "avx512-vnni",  # a Cascade Lake or Ice Lake Xeon
      "bf16 widened to float32 in registers, int8 (VNNI); the CPU lacks amx_bf16, amx_int8, amx_tile, avx512_bf16"),
-    ({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}, "avx2",  # a Skylake Xeon: no VNNI
-     "lacks amx_bf16, amx_int8, amx_tile, avx512_bf16, avx512_vnni for amx"),
+    ({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}, "avx512-core",  # a Skylake Xeon: no VNNI
+     "int8 without VNNI; the CPU lacks amx_bf16, amx_int8, amx_tile, avx512_bf16, avx512_vnni for amx"),
+    ({"avx512f", "avx2", "fma", "f16c"}, "avx2", "lacks amx_bf16, amx_int8, amx_tile, avx512_bf16, avx512_vnni, "
+                                                 "avx512bw, avx512vl for amx"),  # AVX-512 F alone (Xeon Phi)
     ({"avx2", "fma", "f16c"}, "avx2", "lacks amx_bf16, amx_int8, amx_tile, avx512_bf16"),
     ({"sse4_2", "avx"}, None, "lacks avx2, f16c, fma"),
 ])
@@ -526,6 +528,8 @@ def test_the_isa_cap_makes_this_cpu_choose_an_avx2_machines_kernels(monkeypatch)
         assert chosen.name == "avx2" and "KUNLUN_INFER_CPU_ISA=avx2" in chosen.reason
     monkeypatch.setenv(cpu_device.ISA_ENV, "avx512-vnni")  # a Cascade Lake or Ice Lake Xeon's flags
     assert cpu_device.cpu_flags() == {f for f in native if not f.startswith(("amx", "avx512_bf16"))}
+    monkeypatch.setenv(cpu_device.ISA_ENV, "avx512-core")  # a Skylake Xeon's
+    assert cpu_device.cpu_flags() == {f for f in native if not f.startswith(("amx", "avx512_bf16", "avx512_vnni"))}
     monkeypatch.setenv(cpu_device.ISA_ENV, "avx9000")
     with pytest.raises(ConfigError, match="KUNLUN_INFER_CPU_ISA.*avx2"):
         cpu_device.cpu_flags()

@@ -54,7 +54,8 @@ def cpu_model() -> str:
 ISA_ENV = "KUNLUN_INFER_CPU_ISA"
 #: cap -> flag prefixes it hides
 _ISA_CAPS = {"native": (), "avx512": ("amx",), "avx512-vnni": ("amx", "avx512_bf16"),
-             "avx2-vnni": ("avx512", "amx"), "avx2": ("avx512", "amx", "avx_vnni")}
+             "avx512-core": ("amx", "avx512_bf16", "avx512_vnni"), "avx2-vnni": ("avx512", "amx"),
+             "avx2": ("avx512", "amx", "avx_vnni")}
 
 
 def cpu_flags() -> frozenset[str]:
@@ -62,7 +63,8 @@ def cpu_flags() -> frozenset[str]:
 
     ``KUNLUN_INFER_CPU_ISA=avx2`` makes an AVX-512 machine choose the kernels of an AVX2-only one
     (AVX-VNNI hidden too); ``avx2-vnni`` keeps AVX-VNNI; ``avx512`` hides AMX; ``avx512-vnni`` hides AMX and
-    AVX512-BF16 too (a Cascade Lake or Ice Lake Xeon's kernels); ``native`` (or unset) hides nothing.
+    AVX512-BF16 too (a Cascade Lake or Ice Lake Xeon's kernels), ``avx512-core`` AVX512-VNNI as well (a
+    Skylake Xeon's); ``native`` (or unset) hides nothing.
     """
     info = _cpuinfo()
     flags = frozenset((info.get("flags") or info.get("Features") or "").split())

@@ -5,7 +5,8 @@ set (``simd.h`` gives the sources one vector vocabulary): ``avx512-bf16``
 (AVX-512 with the bf16 and VNNI dot products), ``amx`` (the same, its bf16
 and int8 GEMMs on the AMX tiles), ``avx512-vnni`` (AVX-512 with the VNNI dot
 products but none for bf16, as Cascade Lake and Ice Lake Xeons have: bf16
-weights widened to float32 in registers), ``avx2-vnni`` and ``avx2``
+weights widened to float32 in registers), ``avx512-core`` (AVX-512 F/BW/VL
+alone, as Skylake Xeons have: int8 without VNNI too), ``avx2-vnni`` and ``avx2``
 (AVX2 + FMA + F16C, bf16 weights widened to float32 in registers; int8 dot
 products through AVX-VNNI where the CPU has it). :func:`selection` — the one
 place that decides — takes the best set this CPU runs
@@ -72,6 +73,9 @@ KERNEL_SETS: tuple[KernelSet, ...] = (
     KernelSet("avx512-vnni", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"}),
               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
               "AVX-512 kernels, bf16 widened to float32 in registers, int8 (VNNI)"),
+    KernelSet("avx512-core", frozenset({"avx512f", "avx512bw", "avx512vl", "fma"}),
+              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
+              "AVX-512 kernels, bf16 widened to float32 in registers, int8 without VNNI"),
     KernelSet("avx2-vnni", frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
               "AVX2 + FMA kernels, bf16 widened to float32 in registers, int8 through AVX-VNNI"),
     KernelSet("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
@@ -110,8 +114,8 @@ SIGNATURES = {
 class Selection:
     """What serves the host ops on this machine, and why.
 
-    ``name``: the kernel set's (``amx``, ``avx512-bf16``, ``avx512-vnni``, ``avx2-vnni``, ``avx2``) or ``torch``
-    (no native kernels). ``kernel_set``: the native build in use (``None`` for ``torch``); ``library``: it, loaded.
+    ``name``: the kernel set's (``amx``, ``avx512-bf16``, ``avx512-vnni``, ``avx512-core``, ``avx2-vnni``,
+    ``avx2``) or ``torch`` (no native kernels). ``kernel_set``: the native build in use (``None`` for ``torch``); ``library``: it, loaded.
     ``bf16_linear``: who multiplies bf16 weights (``native``, ``onednn`` — torch's, on a CPU with AMX — or
     ``torch``). ``reason``: one line a user can act on.
     """
