@@ -501,8 +501,8 @@ _AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
      "bf16 widened to float32 in registers, int8 (VNNI); the CPU lacks amx_bf16, amx_int8, amx_tile, avx512_bf16"),
     ({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}, "avx512-core",  # a Skylake Xeon: no VNNI
      "int8 without VNNI; the CPU lacks amx_bf16, amx_int8, amx_tile, avx512_bf16, avx512_vnni for amx"),
-    ({"avx512f", "avx2", "fma", "f16c"}, "avx2", "lacks amx_bf16, amx_int8, amx_tile, avx512_bf16, avx512_vnni, "
-                                                 "avx512bw, avx512vl for amx"),  # AVX-512 F alone (Xeon Phi)
+    ({"avx512f", "avx2", "fma", "f16c"}, "avx2",  # AVX-512 F alone (Xeon Phi)
+     "lacks amx_bf16, amx_int8, amx_tile, avx512_bf16, avx512_vnni, avx512bw, avx512vl for amx"),
     ({"avx2", "fma", "f16c"}, "avx2", "lacks amx_bf16, amx_int8, amx_tile, avx512_bf16"),
     ({"sse4_2", "avx"}, None, "lacks avx2, f16c, fma"),
 ])
