@@ -535,6 +535,27 @@ def test_the_isa_cap_makes_this_cpu_choose_an_avx2_machines_kernels(monkeypatch)
         cpu_device.cpu_flags()
 
 
+@pytest.mark.parametrize("vendor, asks_ahead", [("GenuineIntel", 1), ("AuthenticAMD", 0), ("", 0)])
+def test_one_row_gemms_ask_ahead_on_the_cpus_measured_faster_so_with_the_same_results(native_kernel_set, monkeypatch,
+                                                                                      vendor, asks_ahead):
+    kernel_set = cpu_native.selection().kernel_set
+    g = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(70, 96, generator=g), torch.randn(1, 96, generator=g).to(torch.bfloat16)
+    bf16 = cpu_gemm.pack(weight.to(torch.bfloat16))
+    int8 = cpu_gemm.pack_int8(torch.randint(-127, 128, (70, 96), generator=g, dtype=torch.int8), torch.rand(70) / 50)
+    before = cpu_native.library().kunlun_gemm_one_row_prefetch()
+    try:
+        results = []
+        for chosen in (vendor, "the other way"):
+            monkeypatch.setattr(cpu_native, "cpu_vendor", lambda chosen=chosen: chosen)
+            lib = cpu_native.load.__wrapped__(kernel_set)  # the same library, loaded again: set from the vendor
+            assert lib.kunlun_gemm_one_row_prefetch() == (asks_ahead if chosen == vendor else 0)
+            results.append((cpu_gemm.linear(x, bf16), cpu_gemm.linear_int8(x, int8)))
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+    finally:
+        cpu_native.library().kunlun_gemm_set_one_row_prefetch(before)
+
+
 def test_native_kernels_are_built_once_into_the_cache(native_kernel_set, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     kernel_set = cpu_native.selection().kernel_set

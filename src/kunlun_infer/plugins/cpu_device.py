@@ -40,6 +40,11 @@ def _cpuinfo() -> dict[str, str]:
     return facts
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as the OS reports it (``GenuineIntel``, ``AuthenticAMD``; empty where unknown)."""
+    return _cpuinfo().get("vendor_id", "")
+
+
 def cpu_model() -> str:
     """The CPU's model as the OS names it, with vendor, family and model numbers (a hypervisor may show two
     generations under one name): ``AMD EPYC (AuthenticAMD family 25 model 17)``."""

@@ -264,6 +264,17 @@ INLINE void tile_in_chunks(const float *a, int64_t blocks, int64_t mc, const voi
 }
 #endif
 
+int kunlun_one_row_prefetch = 0;
+
+/* Whether one-row GEMMs with AVX-512 ask for their weight ahead as every other block does (1) or, reading it
+ * once, for nothing (0: UNPREFETCHED in simd.h); returns 0. Not to be called while a GEMM runs. */
+int kunlun_gemm_set_one_row_prefetch(int on) {
+    kunlun_one_row_prefetch = on != 0;
+    return 0;
+}
+
+int kunlun_gemm_one_row_prefetch(void) { return kunlun_one_row_prefetch; }
+
 /* Rows from which float32 and bf16 GEMMs take their tiles in chunks (see chunked; raised to MR + 1 at least,
  * and INT64_MAX for never). Returns 0, or -1 where the kernel set has no chunked tiles (AVX-512). Not to be
  * called while a GEMM runs. */

@@ -276,6 +276,7 @@ INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const floa
         free(scales_x);
         return -1;
     }
+    const int once = m <= MR && !kunlun_one_row_prefetch;  /* the weight read once, by one block */
     #pragma omp parallel if (m * n * k >= 32768)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;
@@ -292,7 +293,7 @@ INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const floa
                 const int64_t r0 = blk * per_block, rows = mc - r0 < per_block ? mc - r0 : per_block;
                 void *yt = (char *)y + ((m0 + r0) * n + col) * (xbf16 ? 2 : 4);
                 const uint32_t *a = packed + blk * groups * MR * XW;
-                if (m <= MR)  /* the branch outside the kernel: its loop keeps one kind of prefetch */
+                if (once)  /* the branch outside the kernel: its loop keeps one kind of prefetch */
                     block_of_rows(a, w, groups, sx + r0, scales + col, offsets + col, b, yt, n, cols, xbf16, rows, 1);
                 else
                     block_of_rows(a, w, groups, sx + r0, scales + col, offsets + col, b, yt, n, cols, xbf16, rows, 0);

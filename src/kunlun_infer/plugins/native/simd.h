@@ -240,8 +240,14 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
  * asking for nothing at all (gemm_bf16.c, gemm.c), and int8 within the noise of a non-temporal prefetch (Zen 4,
  * batch-1 steps, eight processes each in turns: medians 19.7 and 20.7 ms, each faster in four pairs). On a
  * Xeon with AMX capped to AVX-512 the non-temporal prefetch of int8 at one row read 8.5 GB/s, nothing 16.8
- * and T1 19.7 (24 layers' GEMMs, best of 5 in turns), so int8 asks for nothing there too. */
+ * and T1 19.7 (24 layers' GEMMs, best of 5 in turns), so int8 asks for nothing there too. That Xeon, though,
+ * ran one row faster with T1 than with nothing (below). */
 #define UNPREFETCHED(once, rows) (VLEN == 16 && (once) && (rows) == 1)
+
+/* 1 where one-row GEMMs ask for their weight ahead all the same, as Intel's CPUs measured faster doing
+ * (kunlun_gemm_set_one_row_prefetch, set when the library loads: cpu_native.py); a GEMM reads it once and passes
+ * `once` as 0 then */
+extern int kunlun_one_row_prefetch;
 
 /* Every cache line of the `bytes` bytes at p + PREFETCH_BYTES, into the second-level cache; a span under one
  * line asks for the line only when p starts one (so a stream advancing by less than a line asks once per
