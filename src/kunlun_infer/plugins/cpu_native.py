@@ -127,8 +127,8 @@ class Selection:
 
     ``name``: the kernel set's (``amx``, ``avx512-bf16``, ``avx512-vnni``, ``avx512-core``, ``avx2-vnni``,
     ``avx2``) or ``torch`` (no native kernels). ``kernel_set``: the native build in use (``None`` for
-    ``torch``); ``library``: it, loaded. ``bf16_linear``: who multiplies bf16 weights (``native``, ``onednn`` — torch's, on a CPU with AMX — or
-    ``torch``). ``reason``: one line a user can act on.
+    ``torch``); ``library``: it, loaded. ``bf16_linear``: who multiplies bf16 weights (``native``, ``onednn``
+    — torch's, on a CPU with AMX — or ``torch``). ``reason``: one line a user can act on.
     """
 
     name: str

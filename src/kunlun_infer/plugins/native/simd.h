@@ -240,8 +240,8 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
  * asking for nothing at all (gemm_bf16.c, gemm.c), and int8 within the noise of a non-temporal prefetch (Zen 4,
  * batch-1 steps, eight processes each in turns: medians 19.7 and 20.7 ms, each faster in four pairs). On a
  * Xeon with AMX capped to AVX-512 the non-temporal prefetch of int8 at one row read 8.5 GB/s, nothing 16.8
- * and T1 19.7 (24 layers' GEMMs, best of 5 in turns), so int8 asks for nothing there too. That Xeon, though,
- * ran one row faster with T1 than with nothing (below). */
+ * and T1 19.7 (24 layers' GEMMs, best of 5 in turns): there asking ahead is faster still, so Intel's CPUs ask
+ * ahead at one row after all (kunlun_one_row_prefetch, below). */
 #define UNPREFETCHED(once, rows) (VLEN == 16 && (once) && (rows) == 1)
 
 /* 1 where one-row GEMMs ask for their weight ahead all the same, as Intel's CPUs measured faster doing
