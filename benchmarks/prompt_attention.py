@@ -11,8 +11,9 @@ turns with the others so that all meet the same minutes of the host:
   through the native decode kernel (what served prompts of up to 512 tokens
   of context before);
 - ``sdpa``: torch's ``scaled_dot_product_attention`` over the block-gathered
-  K/V (what served longer prompts before, and what serves them without the
-  native kernels).
+  K/V (what served longer prompts before, what serves them without the
+  native kernels, and what serves long bf16 prompts where the GEMMs run on
+  the AMX tiles: ``cpu_attention.SDPA_PROMPTS_ON_AMX``).
 
 The shapes: whole prompts of 16–2048 tokens, a 256-token chunk after a
 cached prefix of 768, and 5 speculative drafts over 1000 tokens. Printed per

@@ -61,6 +61,32 @@ def test_prompts_take_the_native_prompt_kernel_in_one_call_and_agree(kernel_set,
             assert prompt_kernel == [[4, 40, 3, 9]] and not sdpa
 
 
+@pytest.mark.parametrize("tiles", [True, False])
+def test_long_bf16_prompts_attend_through_sdpa_where_the_gemms_run_on_amx_tiles(native_kernel_set, monkeypatch, tiles):
+    """Where the GEMMs run on the AMX tiles, bf16 prompts of SDPA_PROMPTS_ON_AMX new tokens and context at least go
+    to torch's SDPA (on the tiles too), the others to the native prompt kernel in one call; float32 prompts and
+    CPUs without the tiles keep the native kernel for all. Either way the batch matches the reference."""
+    assert cpu_native.amx_tiles() == (native_kernel_set == "amx"
+                                      and bool(cpu_native.selection().library.kunlun_amx_tiles()))
+    monkeypatch.setattr(cpu_native, "amx_tiles", lambda: tiles)
+    assert cpu_attention.SDPA_PROMPTS_ON_AMX == (32, 256)  # the shapes below straddle it
+    sdpa, prompt_kernel = [], []
+    original_sdpa, original_kernel = cpu_attention.prefill_attention, cpu_attention.native_prompt_attention
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a: sdpa.append(a[-2]) or original_sdpa(*a))
+    monkeypatch.setattr(cpu_attention, "native_prompt_attention",
+                        lambda *a: prompt_kernel.append(list(a[6])) or original_kernel(*a))
+    seqs = [(300, 300), (260, 31), (512, 40), (200, 200), (1000, 5), (64, 1)]  # (context, new tokens)
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+        sdpa.clear(), prompt_kernel.clear()
+        args = _batch(seqs, hq=14, hk=2, dtype=dtype)
+        torch.testing.assert_close(cpu_kernels.paged_attention(*args), reference.paged_attention(*args),
+                                   rtol=tol, atol=tol)
+        if tiles and dtype is torch.bfloat16:
+            assert sorted(sdpa) == [300, 512] and prompt_kernel == [[31, 200, 5]]
+        else:
+            assert not sdpa and prompt_kernel == [[300, 31, 40, 200, 5]]
+
+
 @pytest.mark.parametrize("seqs", [
     [(300, 300)],  # a prompt longer than a block of keys and of queries, keys past several cache blocks
     [(700, 257), (5, 2), (64, 1)],  # a chunk after a cached prefix, drafts, a decode row

@@ -263,6 +263,13 @@ def selection() -> Selection:
     return Selection(kernel_set.name, kernel_set, lib, "native", reason + _measured_note(kernel_set))
 
 
+def amx_tiles() -> bool:
+    """Whether this process multiplies on the AMX tiles: the ``amx`` set chosen, and the OS's grant of the tile
+    state (which torch's own AMX kernels need as well)."""
+    chosen = selection()
+    return chosen.name == "amx" and bool(chosen.library.kunlun_amx_tiles())
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernels of :func:`selection`, or ``None`` when this machine cannot build or run them.
 
