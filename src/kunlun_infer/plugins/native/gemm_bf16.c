@@ -165,7 +165,7 @@ int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, ui
     }
 #endif
     const int64_t tiles = (n + TILE_N - 1) / TILE_N;
-    const int once = m <= MAX_ROWS && !kunlun_one_row_prefetch;  /* the weight read once, by one block */
+    const int once = reads_once(m, MAX_ROWS);
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const __mmask16 mask0 = tail_mask(n - t * TILE_N), mask1 = tail_mask(n - t * TILE_N - 16);

@@ -276,7 +276,7 @@ INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const floa
         free(scales_x);
         return -1;
     }
-    const int once = m <= MR && !kunlun_one_row_prefetch;  /* the weight read once, by one block */
+    const int once = reads_once(m, MR);
     #pragma omp parallel if (m * n * k >= 32768)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;

@@ -245,9 +245,12 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
 #define UNPREFETCHED(once, rows) (VLEN == 16 && (once) && (rows) == 1)
 
 /* 1 where one-row GEMMs ask for their weight ahead all the same, as Intel's CPUs measured faster doing
- * (kunlun_gemm_set_one_row_prefetch, set when the library loads: cpu_native.py); a GEMM reads it once and passes
- * `once` as 0 then */
+ * (kunlun_gemm_set_one_row_prefetch, set when the library loads: cpu_native.py) */
 extern int kunlun_one_row_prefetch;
+
+/* UNPREFETCHED's `once` for a GEMM of m rows whose blocks take up to `block_rows`: its weight read once, by one
+ * block, and this CPU not asking ahead at one row all the same. Read once per GEMM, outside its loops. */
+INLINE int reads_once(int64_t m, int64_t block_rows) { return m <= block_rows && !kunlun_one_row_prefetch; }
 
 /* Every cache line of the `bytes` bytes at p + PREFETCH_BYTES, into the second-level cache; a span under one
  * line asks for the line only when p starts one (so a stream advancing by less than a line asks once per
