@@ -41,15 +41,22 @@ def test_paged_attention_matches_reference(seqs, hq, hk, kernel_set):
                                rtol=1e-4, atol=1e-5)
 
 
-def test_prompts_take_the_native_prompt_kernel_in_one_call_and_agree(kernel_set, monkeypatch):
-    """With native kernels every sequence with new tokens beyond one (prompts, a chunk after a cached prefix) goes to
-    the prompt kernel in one call and the decode rows to the decode kernel, SDPA never; without them each prompt runs
-    one SDPA. A batch mixing them matches the reference either way."""
+def _record_prompt_routes(monkeypatch) -> tuple[list[int], list[list[int]]]:
+    """Lists that fill as prompts are attended: the context of each prompt sent to SDPA, and the new-token counts
+    of each call of the native prompt kernel."""
     sdpa, prompt_kernel = [], []
     original_sdpa, original_kernel = cpu_attention.prefill_attention, cpu_attention.native_prompt_attention
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a: sdpa.append(a[-2]) or original_sdpa(*a))
     monkeypatch.setattr(cpu_attention, "native_prompt_attention",
                         lambda *a: prompt_kernel.append(list(a[6])) or original_kernel(*a))
+    return sdpa, prompt_kernel
+
+
+def test_prompts_take_the_native_prompt_kernel_in_one_call_and_agree(kernel_set, monkeypatch):
+    """With native kernels every sequence with new tokens beyond one (prompts, a chunk after a cached prefix) goes to
+    the prompt kernel in one call and the decode rows to the decode kernel, SDPA never; without them each prompt runs
+    one SDPA. A batch mixing them matches the reference either way."""
+    sdpa, prompt_kernel = _record_prompt_routes(monkeypatch)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         sdpa.clear(), prompt_kernel.clear()
         args = _batch([(12, 4), (7, 1), (40, 40), (3, 3), (30, 9), (1, 1)], hq=14, hk=2, dtype=dtype)
@@ -70,11 +77,7 @@ def test_long_bf16_prompts_attend_through_sdpa_where_the_gemms_run_on_amx_tiles(
                                       and bool(cpu_native.selection().library.kunlun_amx_tiles()))
     monkeypatch.setattr(cpu_native, "amx_tiles", lambda: tiles)
     assert cpu_attention.SDPA_PROMPTS_ON_AMX == (32, 256)  # the shapes below straddle it
-    sdpa, prompt_kernel = [], []
-    original_sdpa, original_kernel = cpu_attention.prefill_attention, cpu_attention.native_prompt_attention
-    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a: sdpa.append(a[-2]) or original_sdpa(*a))
-    monkeypatch.setattr(cpu_attention, "native_prompt_attention",
-                        lambda *a: prompt_kernel.append(list(a[6])) or original_kernel(*a))
+    sdpa, prompt_kernel = _record_prompt_routes(monkeypatch)
     seqs = [(300, 300), (260, 31), (512, 40), (200, 200), (1000, 5), (64, 1)]  # (context, new tokens)
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
         sdpa.clear(), prompt_kernel.clear()
