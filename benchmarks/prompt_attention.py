@@ -11,9 +11,11 @@ turns with the others so that all meet the same minutes of the host:
   through the native decode kernel (what served prompts of up to 512 tokens
   of context before);
 - ``sdpa``: torch's ``scaled_dot_product_attention`` over the block-gathered
-  K/V (what served longer prompts before, what serves them without the
-  native kernels, and what serves long bf16 prompts where the GEMMs run on
-  the AMX tiles: ``cpu_attention.SDPA_PROMPTS_ON_AMX``).
+  K/V (what served longer prompts before, and what serves them without the
+  native kernels).
+
+Where the prompt kernel multiplies on the AMX tiles
+(``cpu_attention.prompts_on_tiles``) that is printed beside the kernel set.
 
 The shapes: whole prompts of 16–2048 tokens, a 256-token chunk after a
 cached prefix of 768, and 5 speculative drafts over 1000 tokens. Printed per
@@ -85,6 +87,8 @@ def main() -> None:
     d = args.head_size
     facts = machine.facts()
     print(machine.describe(facts))
+    tiles = {name: cpu_attention.prompts_on_tiles(getattr(torch, name), d) for name in args.dtypes.split(",")}
+    print("prompt kernel on the AMX tiles: " + ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in tiles.items()))
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -116,7 +120,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"machine": facts, "heads": [hq, hk], "head_size": d, "rounds": args.rounds,
-                                "results": rows}) + "\n")
+                                "prompt_kernel_on_tiles": tiles, "results": rows}) + "\n")
 
 
 if __name__ == "__main__":

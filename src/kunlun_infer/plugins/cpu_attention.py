@@ -14,10 +14,12 @@ AVX-512 and 1.1-2.6x with AVX2 than running each prompt row as a decode
 query (what served prompts of up to 512 tokens before), 1.5-4.1x and
 1.3-2.4x faster than torch's SDPA (what served longer ones); a 16-token
 prompt takes 7-12 us more per layer than as rows.
-Where the GEMMs run on the AMX tiles, torch's bf16 SDPA (whose flash
-attention multiplies on the tiles too) is faster than the native prompt
-kernel (on VDPBF16PS) for a prompt of :data:`SDPA_PROMPTS_ON_AMX` new tokens
-and context at least, so those prompts go to it (:func:`prefill_attention`).
+Where the OS grants the AMX tiles, bf16 prompts multiply on them
+(:func:`prompts_on_tiles`): on the Xeon with AMX, 1.7-3.2x faster at
+64-2048 tokens than on VDPBF16PS, and 1.2-3.3x faster than torch's SDPA,
+whose flash attention multiplies on the tiles too and which took long bf16
+prompts there before (a 2048-token bf16 prefill of the 0.5B model 1.14x
+faster in the engine than through it, 1024 tokens 1.06x).
 Without the native kernels (no library, fp16, head size not a multiple of
 16) decode rows run as one SDPA over their block-gathered K/V (``index_select``
 of the blocks in use) in the cache's dtype — the CPU SDPA kernel accumulates
@@ -35,20 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.plugins import cpu_native
-
-#: (new tokens, context) from which a bf16 prompt attends through torch's SDPA rather than the native prompt kernel
-#: where the GEMMs run on the AMX tiles. On the Xeon with AMX (torch 2.13, 2 threads, 14 query heads over 2, head
-#: size 64, medians in turns), SDPA's time over the native kernel's: 0.95 for 32 new tokens over 256 of context,
-#: 0.74 for 64 over 256, 0.77 for 32 over 512, 0.53 for 64 over 1024, 0.44 for a 2048-token prompt; but 1.03 for
-#: a 128-token prompt, 1.10 for 16 over 512, 1.43 for 5 drafts over 1000. A bf16 prefill of the 0.5B model in the
-#: engine, both ways in turns: 256 tokens 1.02-1.03x faster, 1024 1.22x, 2048 1.30-1.34x.
-SDPA_PROMPTS_ON_AMX = (32, 256)
-
-
-def _through_sdpa(q_len: int, ctx: int, dtype: torch.dtype) -> bool:
-    """Whether a prompt of ``q_len`` new tokens over ``ctx`` of context attends through SDPA (see above)."""
-    new, context = SDPA_PROMPTS_ON_AMX
-    return dtype is torch.bfloat16 and q_len >= new and ctx >= context and cpu_native.amx_tiles()
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Tensor:
@@ -92,6 +80,13 @@ def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if status != 0:
         raise MemoryError(f"paged decode attention could not allocate its scratch for {batch} sequences")
     return out
+
+
+def prompts_on_tiles(dtype: torch.dtype, head_size: int) -> bool:
+    """Whether the native prompt kernel multiplies prompts of this dtype and head size on the AMX tiles here (the
+    kernels decide: bf16, a head size that is a multiple of 32, the ``amx`` set, the OS's grant of the tile state)."""
+    lib = cpu_native.selection().library
+    return lib is not None and bool(lib.kunlun_prompt_attention_on_tiles(dtype is torch.bfloat16, head_size))
 
 
 def native_prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -176,16 +171,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if _native_library(q, k_cache, v_cache) is not None:
         query = q.to(k_cache.dtype).contiguous()
         out = torch.empty_like(query)
-        sdpa = [i for i in prompts if _through_sdpa(q_lens[i], lens[i], k_cache.dtype)]
-        kernel = [i for i in prompts if i not in sdpa]
-        if kernel:
-            chosen = torch.tensor(kernel, dtype=torch.long, device=q.device)
+        if prompts:
+            chosen = torch.tensor(prompts, dtype=torch.long, device=q.device)
             native_prompt_attention(query, k_cache, v_cache, block_tables.index_select(0, chosen),
-                                    seq_lens.index_select(0, chosen), [qsl[i] for i in kernel],
-                                    [q_lens[i] for i in kernel], out, scale)
-        for i in sdpa:
-            out[qsl[i]:qsl[i + 1]] = prefill_attention(query[qsl[i]:qsl[i + 1]], k_cache, v_cache, block_tables[i],
-                                                       lens[i], scale)
+                                    seq_lens.index_select(0, chosen), [qsl[i] for i in prompts],
+                                    [q_lens[i] for i in prompts], out, scale)
         if decode:
             out[rows] = native_decode_attention(query.index_select(0, rows), k_cache, v_cache,
                                                 block_tables.index_select(0, ids), seq_lens.index_select(0, ids),

@@ -110,6 +110,7 @@ SIGNATURES = {
     "kunlun_gemm_int8": ([_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),
     "kunlun_paged_decode_attention": ([_P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                        ctypes.c_float, ctypes.c_int], ctypes.c_int),
+    "kunlun_prompt_attention_on_tiles": ([ctypes.c_int, _I64], ctypes.c_int),
     "kunlun_paged_prefill_attention": ([_P, _P, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                         ctypes.c_float, ctypes.c_int], ctypes.c_int),
     "kunlun_rms_norm": ([_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int], None),
@@ -261,13 +262,6 @@ def selection() -> Selection:
         reason += "; the OS did not grant the AMX tile state (Linux 5.16 or later does), so the GEMMs use the " \
                   "AVX-512 dot products"
     return Selection(kernel_set.name, kernel_set, lib, "native", reason + _measured_note(kernel_set))
-
-
-def amx_tiles() -> bool:
-    """Whether this process multiplies on the AMX tiles: the ``amx`` set chosen, and the OS's grant of the tile
-    state (which torch's own AMX kernels need as well)."""
-    chosen = selection()
-    return chosen.name == "amx" and bool(chosen.library.kunlun_amx_tiles())
 
 
 def library() -> ctypes.CDLL | None:
