@@ -246,6 +246,24 @@ def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_ke
     assert ((together.double() - exact).abs() <= rounding * exact.abs() + 1e-3).all()
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_gemm_of_rows_past_one_pass_equals_the_rows_a_few_at_a_time(native_kernel_set, weights):
+    """On the AMX tiles a GEMM takes its rows in passes that fit the core's L2 (amx.h's AMX_ROWS_BYTES, 1.5 MiB:
+    96 rows of 8192 bf16 features, 192 of 8192 int8 ones); 100 and 200 rows, a ragged last pass, equal the same
+    rows taken six at a time bit for bit (on every kernel set: a row's result does not depend on the others)."""
+    g = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(40, 8192, generator=g), torch.randn(40, generator=g).to(torch.bfloat16)
+    if weights == "bf16":
+        packed = cpu_gemm.pack(weight.to(torch.bfloat16))
+        linear, rows = cpu_gemm.linear, 100
+    else:
+        packed = cpu_kernels.pack_int8_linear_weight(*reference.quantize_int8(weight))
+        linear, rows = cpu_kernels.int8_linear, 200
+    x = torch.randn(rows, 8192, generator=g).to(torch.bfloat16)
+    apart = torch.cat([linear(x[i:i + 6], packed, bias) for i in range(0, rows, 6)])
+    assert torch.equal(linear(x, packed, bias), apart)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linear_keeps_leading_dims_and_refuses_a_wrong_width(kernel_set, dtype):
     weight = torch.randn(64, 32).to(dtype)

@@ -135,19 +135,22 @@ static void amx_block(const uint16_t *pt, const uint16_t *x, int64_t k, const fl
 
 static void amx_gemm(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y, int64_t m, int64_t n,
                      int64_t k) {
-    const int64_t tiles = (n + TILE_N - 1) / TILE_N;
+    const int64_t tiles = (n + TILE_N - 1) / TILE_N, pass = amx_pass_rows(m, k * (int64_t)sizeof(uint16_t));
     #pragma omp parallel
     {
         int configured = -1;
-        #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const __mmask16 mask0 = tail_mask(n - t * TILE_N), mask1 = tail_mask(n - t * TILE_N - 16);
-            const uint16_t *pt = p + t * k * TILE_N;
-            const float *bt = bias ? bias + t * TILE_N : NULL;
-            for (int64_t r0 = 0; r0 < m; r0 += 32) {
-                const int rows = m - r0 < 32 ? (int)(m - r0) : 32;
-                amx_start_block(rows, &configured);
-                amx_block(pt, x + r0 * k, k, bt, y + r0 * n + t * TILE_N, n, rows, mask0, mask1);
+        for (int64_t p0 = 0; p0 < m; p0 += pass) {
+            const int64_t p1 = m - p0 < pass ? m : p0 + pass;
+            #pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < tiles; t++) {
+                const __mmask16 mask0 = tail_mask(n - t * TILE_N), mask1 = tail_mask(n - t * TILE_N - 16);
+                const uint16_t *pt = p + t * k * TILE_N;
+                const float *bt = bias ? bias + t * TILE_N : NULL;
+                for (int64_t r0 = p0; r0 < p1; r0 += 32) {
+                    const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
+                    amx_start_block(rows, &configured);
+                    amx_block(pt, x + r0 * k, k, bt, y + r0 * n + t * TILE_N, n, rows, mask0, mask1);
+                }
             }
         }
         _tile_release();

@@ -360,7 +360,7 @@ static void amx_block_int8(const int8_t *w, const int8_t *q, int64_t kp, int64_t
 static int amx_gemm_int8(const int8_t *p, const void *x, const int xbf16, const float *bias, void *y, int64_t m,
                          int64_t n, int64_t k) {
     const int64_t tiles = (n + NR - 1) / NR, groups = (k + 3) / 4;
-    const int64_t kp = (groups * 4 + AMX_K8 - 1) / AMX_K8 * AMX_K8;
+    const int64_t kp = (groups * 4 + AMX_K8 - 1) / AMX_K8 * AMX_K8, pass = amx_pass_rows(m, kp);
     const float *scales = (const float *)(p + tiles * NR * groups * 4);
     int8_t *q = (int8_t *)malloc((size_t)(m * kp));
     float *sx = (float *)malloc(sizeof(float) * (size_t)m);
@@ -373,15 +373,18 @@ static int amx_gemm_int8(const int8_t *p, const void *x, const int xbf16, const 
     {
         amx_quantize_rows(x, xbf16, m, k, kp, q, sx); /* a wait */
         int configured = -1;
-        #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
-            for (int64_t r0 = 0; r0 < m; r0 += 32) {
-                const int rows = m - r0 < 32 ? (int)(m - r0) : 32;
-                amx_start_block(rows, &configured);
-                amx_block_int8(p + t * groups * NR * 4, q + r0 * kp, kp, groups, sx + r0, scales + col,
-                               bias ? bias + col : NULL, (char *)y + (r0 * n + col) * (xbf16 ? 2 : 4), n, cols, xbf16,
-                               rows);
+        for (int64_t p0 = 0; p0 < m; p0 += pass) {
+            const int64_t p1 = m - p0 < pass ? m : p0 + pass;
+            #pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
+                for (int64_t r0 = p0; r0 < p1; r0 += 32) {
+                    const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
+                    amx_start_block(rows, &configured);
+                    amx_block_int8(p + t * groups * NR * 4, q + r0 * kp, kp, groups, sx + r0, scales + col,
+                                   bias ? bias + col : NULL, (char *)y + (r0 * n + col) * (xbf16 ? 2 : 4), n, cols,
+                                   xbf16, rows);
+                }
             }
         }
         _tile_release();
