@@ -92,6 +92,22 @@ def test_native_prompt_attention_matches_reference_on_long_prompts(seqs, hq, hk,
                                    rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prompt_attention_follows_a_max_that_jumps_late(native_kernel_set, dtype):
+    """Keys past the first blocks whose scores dwarf the earlier ones (their logits 40 above): the sums kept for the
+    earlier blocks move to the new maximum (on the AMX tiles only once a block's max passes a lane's by 2^8)."""
+    q, k_cache, v_cache, tables, lens, qsl, scale = _batch([(300, 300), (260, 31)], hq=14, hk=2, d=64,
+                                                           block_size=16, dtype=dtype)
+    for seq, keys in ((0, (150, 151, 290)), (1, (200, 250))):
+        for key in keys:
+            block, row = int(tables[seq, key // 16]), key % 16
+            k_cache[block, row] *= 40.0 / (scale * float(k_cache[block, row].float().norm()) * 8.0 ** 0.5)
+    expected = reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale)
+    tol = 2e-5 if dtype is torch.float32 else 2e-2
+    torch.testing.assert_close(cpu_kernels.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale), expected,
+                               rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("d, dtype", [(16, torch.float32), (32, torch.bfloat16)])  # bf16 at 32: on AMX tiles
 def test_native_prompt_attention_reads_only_its_rows_and_blocks(d, dtype, native_kernel_set):
     """Rows of sequences not given are neither read nor written, nor are cache blocks no given sequence owns."""

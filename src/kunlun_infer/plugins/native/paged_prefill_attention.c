@@ -35,6 +35,7 @@
 #endif
 #define BK (8 * MR)   /* keys per block of the context */
 #define TILE_KEYS 64  /* keys per block of the context on the AMX tiles (amx_item; at most BK) */
+#define LAZY_MAX 8.0f /* how far (base 2) a block's max may exceed a lane's before the tiles' sums move to it */
 #define QUERIES 128   /* query vectors per work item, at most (more only when one row has more heads) */
 /* The same on the AMX tiles (amx_item), where a lane tile skips the blocks past its queries: gathering a block's
  * keys and values once for more queries, 512 took 0.80-0.89x the time of 128 at 64-2048 tokens on the Xeon with AMX
@@ -128,7 +129,6 @@ INLINE __m512i bf16_pairs(__m256i lo, __m256i hi) {
 /* the thread's scratch for items of up to `lanes` query lanes (a multiple of NR) and head size d */
 typedef struct {
     float *qt, *o, *s, *kf, *vfl, *top, *sum, *qpos, *alpha;
-    float *pv; /* a block's O^T [d][NR] (one lane tile, on the tiles) */
     uint32_t *pp; /* a block's probabilities as bf16 pairs of keys (values_tile_bf16; the B tiles of O^T) */
     uint32_t *vt; /* a block's values transposed, [d][keys] bf16 (the A tiles of O^T) */
 } scratch;
@@ -144,16 +144,15 @@ static int scratch_alloc(scratch *w, int64_t lanes, int64_t d) {
     w->top = (float *)malloc(f * (size_t)lanes);
     w->sum = (float *)malloc(f * (size_t)lanes);
     w->qpos = (float *)malloc(f * (size_t)lanes);
-    w->alpha = (float *)malloc(f * (size_t)(lanes + NR));
+    w->alpha = (float *)malloc(f * (size_t)lanes);
     w->pp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(lanes * BK > tiles * NR ? lanes * BK : tiles * NR) / 2);
     w->vt = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(d * (BK / 2)));
-    w->pv = (float *)malloc(f * (size_t)(2 * d * NR));
-    return w->pv && w->vt && w->pp && w->alpha && w->qt && w->o && w->s && w->kf && w->vfl && w->top && w->sum &&
+    return w->vt && w->pp && w->alpha && w->qt && w->o && w->s && w->kf && w->vfl && w->top && w->sum &&
            w->qpos;
 }
 
 static void scratch_free(scratch *w) {
-    free(w->pv), free(w->vt), free(w->pp), free(w->alpha), free(w->qt), free(w->o), free(w->s), free(w->kf), free(w->vfl);
+    free(w->vt), free(w->pp), free(w->alpha), free(w->qt), free(w->o), free(w->s), free(w->kf), free(w->vfl);
     free(w->top), free(w->sum), free(w->qpos);
 }
 
@@ -363,10 +362,12 @@ _Static_assert(TILE_KEYS <= BK && TILE_KEYS % 32 == 0, "the tiles' block of keys
  * move: S^T = K Q^T takes the keys' rows as A tiles and the queries' bf16 pairs [d / 2][NR] (as built for
  * VDPBF16PS) as B tiles; O^T = V^T P takes the values transposed, [d][keys] (one feature's values of two
  * consecutive keys are one pair of an A-tile row), and the probabilities' bf16 pairs of keys [keys / 2][NR] as B
- * tiles. The unit of work is one block of TILE_KEYS keys for one lane tile (NR queries), whose scores,
- * probabilities and block sums are rows of 128 bytes, in L1. The vector units' share is the softmax (its
- * exponentials in 9 instructions, pow2_probability) and the rescaling of the sums; amx_item overlaps it with the
- * tiles' work.
+ * tiles, accumulating into the item's O^T in memory. The unit of work is one block of TILE_KEYS keys for one lane
+ * tile (NR queries), whose scores and probabilities are rows of 128 bytes, in L1. The vector units' share is the
+ * softmax, its exponentials in 9 instructions (pow2_probability); the sums so far are rescaled only when a block's
+ * max passes a lane's by more than 2^LAZY_MAX (its probabilities are taken against the lane's max until then), which
+ * after the first blocks is rare: against rescaling every block, 0.83-0.86x the time at 1024-2048 tokens, 0.85-1.00x
+ * at 256-512 (three runs in turns on the Xeon with AMX).
  */
 
 /* r[i] = the 32-bit elements i of r[0 .. 16): a 16 x 16 transpose in three rounds of shuffles */
@@ -432,15 +433,14 @@ INLINE void amx_scores(const uint16_t *kb, const uint32_t *qt2, int64_t d, float
     _tile_stored(3, s + 16 * NR + 16, NR * 4);
 }
 
-/* O^T [features c .. c + 32][NR] of this block = V^T P over `pairs` pairs of keys (a multiple of 16): vt at
- * feature c, rows TILE_KEYS / 2 apart; pp [pairs][NR]; into ot at feature c, rows NR apart. (Fresh sums, added to
- * the rescaled ones by vector code: a tile load of what vector stores have just written waits for them.) */
+/* O^T [features c .. c + 32][NR] += V^T P over `pairs` pairs of keys (a multiple of 16): vt at feature c, rows
+ * TILE_KEYS / 2 apart; pp [pairs][NR]; ot at feature c, rows NR apart */
 INLINE void amx_values(const uint32_t *vt, const uint32_t *pp, int64_t pairs, float *ot) {
     const int64_t ldt = TILE_KEYS / 2 * 4;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    _tile_loadd(0, ot, NR * 4);
+    _tile_loadd(1, ot + 16, NR * 4);
+    _tile_loadd(2, ot + 16 * NR, NR * 4);
+    _tile_loadd(3, ot + 16 * NR + 16, NR * 4);
     for (int64_t j = 0; j < pairs; j += 16)
         AMX_STEP(_tile_dpbf16ps, vt + j, ldt, pp + j * NR, 1);
     _tile_stored(0, ot, NR * 4);
@@ -476,10 +476,11 @@ INLINE __m512i probability_pairs(__m512 lo, __m512 hi) {
 }
 
 /* One block's online softmax for a lane tile: s [nk][NR] the unscaled scores; the lanes' running max (top, in base-2
- * units: scaled by scale * log2(e)) and sum updated, alpha the factor their sums so far take; the probabilities as bf16 pairs of keys into pp
- * [padded / 2][NR], zero past nk. Two lanes' vectors and two keys a turn: four chains of max and of sum. */
-INLINE void amx_softmax(const float *s, int64_t nk, int64_t padded, int64_t k0, float scale, const float *qpos,
-                        float *top, float *sum, float *alpha, uint32_t *pp, const int diagonal) {
+ * units: scaled by scale * log2(e); lazily, see LAZY_MAX) and sum updated, alpha the factor their sums so far take;
+ * the probabilities as bf16 pairs of keys into pp [padded / 2][NR], zero past nk. Two lanes' vectors and two keys a
+ * turn: four chains of max and of sum. Returns 1 if the sums so far must take alpha (some lane's max moved). */
+INLINE int amx_softmax(const float *s, int64_t nk, int64_t padded, int64_t k0, float scale, const float *qpos,
+                       float *top, float *sum, float *alpha, uint32_t *pp, const int diagonal) {
     const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f), hidden = _mm512_set1_ps(-3.0e38f);
     const __m512 zero = _mm512_setzero_ps(), q0 = _mm512_loadu_ps(qpos), q1 = _mm512_loadu_ps(qpos + 16);
     __m512 m00 = hidden, m01 = hidden, m10 = hidden, m11 = hidden; /* the raw scores' max: scale > 0 */
@@ -494,9 +495,16 @@ INLINE void amx_softmax(const float *s, int64_t nk, int64_t padded, int64_t k0, 
             m11 = _mm512_max_ps(m11, diagonal ? vf_select_gt(k1, q1, hidden, x11) : x11);
         }
     }
-    const __m512 before0 = _mm512_loadu_ps(top), before1 = _mm512_loadu_ps(top + 16);
-    const __m512 top0 = _mm512_max_ps(before0, _mm512_mul_ps(_mm512_max_ps(m00, m10), sc));
-    const __m512 top1 = _mm512_max_ps(before1, _mm512_mul_ps(_mm512_max_ps(m01, m11), sc));
+    /* a lane keeps its max unless the block's exceeds it by more than LAZY_MAX (probabilities up to 2^LAZY_MAX) */
+    const __m512 before0 = _mm512_loadu_ps(top), before1 = _mm512_loadu_ps(top + 16), lazy = _mm512_set1_ps(LAZY_MAX);
+    const __m512 new0 = _mm512_mul_ps(_mm512_max_ps(m00, m10), sc), new1 = _mm512_mul_ps(_mm512_max_ps(m01, m11), sc);
+    const __mmask16 moved0 = _mm512_cmp_ps_mask(new0, _mm512_add_ps(before0, lazy), _CMP_GT_OQ);
+    const __mmask16 moved1 = _mm512_cmp_ps_mask(new1, _mm512_add_ps(before1, lazy), _CMP_GT_OQ);
+    const __m512 top0 = _mm512_mask_mov_ps(before0, moved0, new0), top1 = _mm512_mask_mov_ps(before1, moved1, new1);
+    /* the sums so far are rescaled only where a lane had some (its first block had none) */
+    const __m512 none = _mm512_set1_ps(-1.0e38f);
+    const int rescale = (_mm512_mask_cmp_ps_mask(moved0, before0, none, _CMP_GT_OQ) |
+                         _mm512_mask_cmp_ps_mask(moved1, before1, none, _CMP_GT_OQ)) != 0;
     __m512 s00 = zero, s01 = zero, s10 = zero, s11 = zero;
     for (int64_t t = 0; t < padded; t += 2) {
         __m512 p00 = zero, p01 = zero, p10 = zero, p11 = zero;
@@ -525,6 +533,7 @@ INLINE void amx_softmax(const float *s, int64_t nk, int64_t padded, int64_t k0, 
     _mm512_storeu_ps(top + 16, top1);
     _mm512_storeu_ps(alpha, a0);
     _mm512_storeu_ps(alpha + 16, a1);
+    return rescale;
 }
 
 /* One unit of an item's work on the tiles: a block of TILE_KEYS keys for one lane tile */
@@ -582,11 +591,12 @@ INLINE unit unit_at(int64_t u, const float *qpos, int64_t tiles) {
 }
 
 /*
- * One work item on the tiles. Its units run as a pipeline, each stage a unit behind the last, so the tile unit
- * multiplies while the vector units work on other data, and no tile load reads what vector stores have just
- * written (it would wait for them), nor vector loads what tile stores just have: in turn i, the scores of unit
- * i + 1 and the values of unit i - 1 on the tiles, then the sums of unit i - 2 and the softmax of unit i. The
- * scores, probabilities, block sums and alphas alternate between two buffers.
+ * One work item on the tiles. Its units run as a pipeline, each stage a unit behind the last, so that no tile load
+ * reads what vector stores have just written (it would wait for them), nor vector loads what tile stores just have:
+ * in turn i, the scores of unit i + 1 and the values of unit i - 1 on the tiles, then the softmax of unit i (and,
+ * if its max moved, the rescaling of its tile's sums). The scores and probabilities alternate between two buffers.
+ * (Splitting each turn's work into pieces taken in turns, so that the tiles and the vector units overlap more, was
+ * no faster: 1.02-1.08x the time.)
  */
 static void amx_item(const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int64_t ctx,
                      int64_t q_len, int64_t q_start, const work_item *it, void *out, int64_t hq, int64_t hk,
@@ -596,10 +606,9 @@ static void amx_item(const void *q, const void *k_cache, const void *v_cache, co
     start_item(q, q_start, it, hq, group, d, first, lanes, scale, w, 1, 1);
     const int64_t units = units_of(w->qpos, tiles);
     uint16_t *kb = (uint16_t *)w->kf;
-    float *s[2] = {w->s, w->s + TILE_KEYS * NR}, *pv[2] = {w->pv, w->pv + d * NR};
-    float *alpha[2] = {w->alpha, w->alpha + NR};
+    float *s[2] = {w->s, w->s + TILE_KEYS * NR};
     uint32_t *pp[2] = {w->pp, w->pp + TILE_KEYS / 2 * NR};
-    for (int64_t i = -1; i <= units + 1; i++) {
+    for (int64_t i = -1; i <= units; i++) {
         if (i + 1 < units) { /* scores of unit i + 1 */
             const int64_t u = i + 1;
             const unit x = unit_at(u, w->qpos, tiles);
@@ -617,28 +626,24 @@ static void amx_item(const void *q, const void *k_cache, const void *v_cache, co
                 gather_values_t((const uint16_t *)v_cache, table, x.k0, x.block_nk, x.block_padded, h, hk, d,
                                 block_size, w->vt);
             for (int64_t c = 0; c < d; c += 32)
-                amx_values(w->vt + c * (TILE_KEYS / 2), pp[u % 2], x.padded / 2, pv[u % 2] + c * NR);
-        }
-        if (i >= 2 && i - 2 < units) { /* the sums of unit i - 2 so far, to the new maxima, plus its block's */
-            const int64_t u = i - 2;
-            float *ot = w->o + unit_at(u, w->qpos, tiles).tile * d * NR;
-            const float *add = pv[u % 2];
-            const __m512 a0 = _mm512_loadu_ps(alpha[u % 2]), a1 = _mm512_loadu_ps(alpha[u % 2] + 16);
-            for (int64_t c = 0; c < d * NR; c += NR) {
-                _mm512_storeu_ps(ot + c, _mm512_fmadd_ps(_mm512_loadu_ps(ot + c), a0, _mm512_loadu_ps(add + c)));
-                _mm512_storeu_ps(ot + c + 16,
-                                 _mm512_fmadd_ps(_mm512_loadu_ps(ot + c + 16), a1, _mm512_loadu_ps(add + c + 16)));
-            }
+                amx_values(w->vt + c * (TILE_KEYS / 2), pp[u % 2], x.padded / 2, w->o + x.tile * d * NR + c * NR);
         }
         if (i >= 0 && i < units) { /* softmax of unit i */
             const unit x = unit_at(i, w->qpos, tiles);
             const int64_t i0 = x.tile * NR;
-            if (x.diagonal)
-                amx_softmax(s[i % 2], x.nk, x.padded, x.k0, scale, w->qpos + i0, w->top + i0, w->sum + i0,
-                            alpha[i % 2], pp[i % 2], 1);
-            else
-                amx_softmax(s[i % 2], x.nk, x.padded, x.k0, scale, w->qpos + i0, w->top + i0, w->sum + i0,
-                            alpha[i % 2], pp[i % 2], 0);
+            const int rescale =
+                x.diagonal ? amx_softmax(s[i % 2], x.nk, x.padded, x.k0, scale, w->qpos + i0, w->top + i0,
+                                         w->sum + i0, w->alpha + i0, pp[i % 2], 1)
+                           : amx_softmax(s[i % 2], x.nk, x.padded, x.k0, scale, w->qpos + i0, w->top + i0,
+                                         w->sum + i0, w->alpha + i0, pp[i % 2], 0);
+            if (rescale) { /* the tile's sums so far, to the new maxima, before the tiles add this block's */
+                float *ot = w->o + x.tile * d * NR;
+                const __m512 a0 = _mm512_loadu_ps(w->alpha + i0), a1 = _mm512_loadu_ps(w->alpha + i0 + 16);
+                for (int64_t c = 0; c < d * NR; c += NR) {
+                    _mm512_storeu_ps(ot + c, _mm512_mul_ps(_mm512_loadu_ps(ot + c), a0));
+                    _mm512_storeu_ps(ot + c + 16, _mm512_mul_ps(_mm512_loadu_ps(ot + c + 16), a1));
+                }
+            }
         }
     }
     /* O^T back to the queries' rows, 16 lanes x 16 features a transpose, divided by the sums */
