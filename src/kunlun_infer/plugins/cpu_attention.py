@@ -15,11 +15,11 @@ query (what served prompts of up to 512 tokens before), 1.5-4.1x and
 1.3-2.4x faster than torch's SDPA (what served longer ones); a 16-token
 prompt takes 7-12 us more per layer than as rows.
 Where the OS grants the AMX tiles, bf16 prompts multiply on them
-(:func:`prompts_on_tiles`): on the Xeon with AMX, 1.7-3.2x faster at
-64-2048 tokens than on VDPBF16PS, and 1.2-3.3x faster than torch's SDPA,
+(:func:`prompts_on_tiles`): on the Xeon with AMX, 2.0-4.6x faster at
+64-2048 tokens than on VDPBF16PS, and 1.5-3.6x faster than torch's SDPA,
 whose flash attention multiplies on the tiles too and which took long bf16
-prompts there before (a 2048-token bf16 prefill of the 0.5B model 1.14x
-faster in the engine than through it, 1024 tokens 1.06x).
+prompts there before (a bf16 prefill of the 0.5B model in the engine, in
+turns against that: 1.04x at 256 tokens, 1.10x at 1024, 1.23x at 2048).
 Without the native kernels (no library, fp16, head size not a multiple of
 16) decode rows run as one SDPA over their block-gathered K/V (``index_select``
 of the blocks in use) in the cache's dtype — the CPU SDPA kernel accumulates

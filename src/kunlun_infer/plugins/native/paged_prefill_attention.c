@@ -19,7 +19,7 @@
  *   2048 tokens). Zen 4, both builds in one process, in turns: the bf16 kernel 1.3x faster at 256-2048 tokens.
  * Blocks past the item's last position are never read. The softmax is float32; K/V and q may be bf16 or float32.
  * Where the OS grants the AMX tiles, bf16 items take both products there instead (amx_item, below): on the Xeon with
- * AMX, both builds in one process in turns, 0.31-0.60x the time of the VDPBF16PS kernel at 64-2048 tokens.
+ * AMX, both builds in one process in turns, 0.22-0.51x the time of the VDPBF16PS kernel at 64-2048 tokens.
  */
 #include <stdint.h>
 #include <stdlib.h>
