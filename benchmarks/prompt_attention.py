@@ -88,7 +88,8 @@ def main() -> None:
     facts = machine.facts()
     print(machine.describe(facts))
     tiles = {name: cpu_attention.prompts_on_tiles(getattr(torch, name), d) for name in args.dtypes.split(",")}
-    print("prompt kernel on the AMX tiles: " + ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in tiles.items()))
+    print("prompt kernel on the AMX tiles: " + ", ".join(f"{name} {'yes' if on else 'no'}"
+                                                          for name, on in tiles.items()))
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)

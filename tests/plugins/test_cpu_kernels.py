@@ -108,7 +108,7 @@ def test_native_prompt_attention_follows_a_max_that_jumps_late(native_kernel_set
                                rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("d, dtype", [(16, torch.float32), (32, torch.bfloat16)])  # bf16 at 32: on AMX tiles
+@pytest.mark.parametrize("d, dtype", [(16, torch.float32), (32, torch.bfloat16)])  # bf16, 32: on AMX tiles
 def test_native_prompt_attention_reads_only_its_rows_and_blocks(d, dtype, native_kernel_set):
     """Rows of sequences not given are neither read nor written, nor are cache blocks no given sequence owns."""
     q, k_cache, v_cache, tables, lens, qsl, scale = _batch([(9, 9), (20, 6)], hq=4, hk=2, d=d, block_size=4,

@@ -77,9 +77,7 @@ static inline void amx_store_sums(void *sums, int rows) {
  * memory once per weight tile. On the Xeon with AMX (the 0.5B model's layer GEMMs, 2 threads, in turns against one
  * pass): bf16 at 2048 rows 0.76-0.78x the time, at 256-1024 0.96-1.03x; int8 at 2048 rows 0.89x, at 1024 0.96x, at
  * 256-512 1.00-1.01x. Passes of 1 MiB took 1.05-1.07x at 256 rows, of 512 KiB 1.08-1.24x at 256-1024. */
-#ifndef AMX_ROWS_BYTES
 #define AMX_ROWS_BYTES (3 << 19)
-#endif
 static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
     if (m * row_bytes <= AMX_ROWS_BYTES) return m;
     const int64_t blocks = AMX_ROWS_BYTES / row_bytes / 32;

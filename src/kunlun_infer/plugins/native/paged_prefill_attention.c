@@ -135,17 +135,17 @@ typedef struct {
 
 static int scratch_alloc(scratch *w, int64_t lanes, int64_t d) {
     const size_t f = sizeof(float);
-    const int64_t tiles = 2 * TILE_KEYS; /* the AMX path's two buffers of a block's keys for a lane tile */
+    const int64_t blocks = lanes * BK > 2 * TILE_KEYS * NR ? lanes * BK : 2 * TILE_KEYS * NR; /* amx_item: two */
     w->qt = (float *)malloc(f * (size_t)(lanes * d));
     w->o = (float *)malloc(f * (size_t)(lanes * d));
-    w->s = (float *)malloc(f * (size_t)(lanes * BK > tiles * NR ? lanes * BK : tiles * NR));
+    w->s = (float *)malloc(f * (size_t)blocks);
     w->kf = (float *)malloc(f * (size_t)(BK * d + VLEN));
     w->vfl = (float *)malloc(f * (size_t)(BK * d + VLEN));
     w->top = (float *)malloc(f * (size_t)lanes);
     w->sum = (float *)malloc(f * (size_t)lanes);
     w->qpos = (float *)malloc(f * (size_t)lanes);
     w->alpha = (float *)malloc(f * (size_t)lanes);
-    w->pp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(lanes * BK > tiles * NR ? lanes * BK : tiles * NR) / 2);
+    w->pp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(blocks / 2));
     w->vt = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(d * (BK / 2)));
     return w->vt && w->pp && w->alpha && w->qt && w->o && w->s && w->kf && w->vfl && w->top && w->sum &&
            w->qpos;
@@ -365,9 +365,9 @@ _Static_assert(TILE_KEYS <= BK && TILE_KEYS % 32 == 0, "the tiles' block of keys
  * tiles, accumulating into the item's O^T in memory. The unit of work is one block of TILE_KEYS keys for one lane
  * tile (NR queries), whose scores and probabilities are rows of 128 bytes, in L1. The vector units' share is the
  * softmax, its exponentials in 9 instructions (pow2_probability); the sums so far are rescaled only when a block's
- * max passes a lane's by more than 2^LAZY_MAX (its probabilities are taken against the lane's max until then), which
- * after the first blocks is rare: against rescaling every block, 0.83-0.86x the time at 1024-2048 tokens, 0.85-1.00x
- * at 256-512 (three runs in turns on the Xeon with AMX).
+ * max passes a lane's by a factor over 2^LAZY_MAX (its probabilities are taken against the lane's max until then),
+ * which after the first blocks is rare: against rescaling every block, 0.83-0.86x the time at 1024-2048 tokens,
+ * 0.85-1.00x at 256-512 (three runs in turns on the Xeon with AMX).
  */
 
 /* r[i] = the 32-bit elements i of r[0 .. 16): a 16 x 16 transpose in three rounds of shuffles */
@@ -548,11 +548,11 @@ typedef struct {
 INLINE int64_t tile_hi(const float *qpos, int64_t t) { return (int64_t)qpos[t * NR + NR - 1]; }
 INLINE int64_t tile_lo(const float *qpos, int64_t t) { return (int64_t)qpos[t * NR]; }
 
-/* The first of `tiles` lane tiles whose last query reaches key k0 (their positions rise with the lanes) */
-INLINE int64_t first_tile(const float *qpos, int64_t tiles, int64_t k0) {
+/* The first lane tile whose last query reaches key k0 (the tiles' positions rise with the lanes; the last tile's
+ * last query reaches every block of the item) */
+INLINE int64_t first_tile(const float *qpos, int64_t k0) {
     int64_t t = 0;
-    while (tile_hi(qpos, t) < k0) t++; /* the last tile reaches every block of the item */
-    (void)tiles;
+    while (tile_hi(qpos, t) < k0) t++;
     return t;
 }
 
@@ -563,7 +563,7 @@ INLINE int64_t full_blocks(const float *qpos) { return tile_hi(qpos, 0) / TILE_K
 INLINE int64_t units_of(const float *qpos, int64_t tiles) {
     const int64_t full = full_blocks(qpos), blocks = tile_hi(qpos, tiles - 1) / TILE_KEYS + 1;
     int64_t n = full * tiles;
-    for (int64_t b = full; b < blocks; b++) n += tiles - first_tile(qpos, tiles, b * TILE_KEYS);
+    for (int64_t b = full; b < blocks; b++) n += tiles - first_tile(qpos, b * TILE_KEYS);
     return n;
 }
 
@@ -572,7 +572,7 @@ INLINE unit unit_at(int64_t u, const float *qpos, int64_t tiles) {
     int64_t b = u / tiles, t0 = 0, tile = u % tiles;
     if (u >= full * tiles)
         for (u -= full * tiles, b = full;; u -= tiles - t0, b++) {
-            t0 = first_tile(qpos, tiles, b * TILE_KEYS);
+            t0 = first_tile(qpos, b * TILE_KEYS);
             if (u < tiles - t0) {
                 tile = t0 + u;
                 break;
