@@ -47,6 +47,14 @@ static inline void amx_configure(int rows0, int rows1) {
     _tile_loadconfig(&c);
 }
 
+/* the four sum tiles zeroed */
+static inline void amx_zero_sums(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 /* Zero sums for a block of `rows` rows (up to 32): the layout loaded for them unless *configured (the rows of the
  * layout this thread loaded last) says it is there already. */
 static inline void amx_start_block(int rows, int *configured) {
@@ -54,11 +62,16 @@ static inline void amx_start_block(int rows, int *configured) {
         amx_configure(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 1);
         *configured = rows;
     } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_sums();
     }
+}
+
+/* the sum tiles of a full layout (32 rows) from sums [32][32] (32-bit values), to add to them */
+static inline void amx_load_sums(const void *sums) {
+    _tile_loadd(0, sums, 128);
+    _tile_loadd(1, (const char *)sums + 64, 128);
+    _tile_loadd(2, (const char *)sums + 16 * 128, 128);
+    _tile_loadd(3, (const char *)sums + 16 * 128 + 64, 128);
 }
 
 /* the sum tiles of a block of `rows` rows into sums [32][32] (32-bit values) */

@@ -355,6 +355,7 @@ INLINE void one_item(const void *q, const void *k_cache, const void *v_cache, co
 #include "amx.h"
 #define AMX_PROMPTS 1
 _Static_assert(TILE_KEYS <= BK && TILE_KEYS % 32 == 0, "the tiles' block of keys fits the scratch, in steps of 32");
+_Static_assert(NR * sizeof(float) == 128, "a lane tile's row of floats is a row of amx.h's sum tiles");
 
 /*
  * Prompt attention on the AMX tiles (bf16, head size a multiple of 32: kunlun_prompt_attention_on_tiles), over the
@@ -419,34 +420,22 @@ static void gather_values_t(const uint16_t *cache, const int32_t *table, int64_t
 }
 
 /* S^T for keys t .. t + 32 of kb (bf16 rows, d apart) against a lane tile's bf16 query pairs qt2 [d / 2][NR],
- * unscaled, into s [32][NR] */
+ * unscaled, into s [32][NR] (NR floats are the 128 bytes of amx.h's sum rows) */
 INLINE void amx_scores(const uint16_t *kb, const uint32_t *qt2, int64_t d, float *s) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_sums();
     for (int64_t c = 0; c < d; c += 32)
         AMX_STEP(_tile_dpbf16ps, kb + c, d * (int64_t)sizeof(uint16_t), qt2 + c / 2 * NR, 1);
-    _tile_stored(0, s, NR * 4);
-    _tile_stored(1, s + 16, NR * 4);
-    _tile_stored(2, s + 16 * NR, NR * 4);
-    _tile_stored(3, s + 16 * NR + 16, NR * 4);
+    amx_store_sums(s, 32);
 }
 
 /* O^T [features c .. c + 32][NR] += V^T P over `pairs` pairs of keys (a multiple of 16): vt at feature c, rows
  * TILE_KEYS / 2 apart; pp [pairs][NR]; ot at feature c, rows NR apart */
 INLINE void amx_values(const uint32_t *vt, const uint32_t *pp, int64_t pairs, float *ot) {
     const int64_t ldt = TILE_KEYS / 2 * 4;
-    _tile_loadd(0, ot, NR * 4);
-    _tile_loadd(1, ot + 16, NR * 4);
-    _tile_loadd(2, ot + 16 * NR, NR * 4);
-    _tile_loadd(3, ot + 16 * NR + 16, NR * 4);
+    amx_load_sums(ot);
     for (int64_t j = 0; j < pairs; j += 16)
         AMX_STEP(_tile_dpbf16ps, vt + j, ldt, pp + j * NR, 1);
-    _tile_stored(0, ot, NR * 4);
-    _tile_stored(1, ot + 16, NR * 4);
-    _tile_stored(2, ot + 16 * NR, NR * 4);
-    _tile_stored(3, ot + 16 * NR + 16, NR * 4);
+    amx_store_sums(ot, 32);
 }
 
 /* 2^y within 2.9e-6 relative for y >= -126 (2^-126 below), exact at integers (an unchanged max rescales by 1): 9
