@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from kunlun_infer.ops import reference
-from kunlun_infer.plugins import cpu_native, cpu_tuning
+from kunlun_infer.plugins import cpu_gemm, cpu_native, cpu_tuning
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
@@ -163,18 +163,19 @@ def gemm_inputs(shape: perf_cpu.Shape, dtype: torch.dtype, rows: int
 def gemm_work(lib: ctypes.CDLL, dtype: torch.dtype, rows: int, shape: perf_cpu.Shape = perf_cpu.SHAPES["0.5b"]
               ) -> tuple[Callable[[], None], torch.Tensor]:
     """One pass over a whole model's layer GEMMs at ``rows`` rows, and the output of the last one (``int8``:
-    int8 weights, one scale per output, quantized by the engine's rule)."""
+    int8 weights, one scale per output, quantized by the engine's rule). The packed weights lie in huge pages, as
+    the engine's do (``cpu_gemm.weight_buffer``)."""
     weights, xs = gemm_inputs(shape, dtype, rows)
     packed_weights = []
     for w in weights:
         n, k = w.shape
         if dtype is torch.int8:
             q, scale = reference.quantize_int8(w)
-            packed = torch.empty(lib.kunlun_int8_packed_bytes(n, k), dtype=torch.int8)
+            packed = cpu_gemm.weight_buffer(lib.kunlun_int8_packed_bytes(n, k), torch.int8)
             lib.kunlun_pack_int8(q.data_ptr(), scale.data_ptr(), packed.data_ptr(), n, k)
         else:
             tile = lib.kunlun_gemm_tile_n()
-            packed = torch.empty(-(-n // tile) * tile * k, dtype=dtype)
+            packed = cpu_gemm.weight_buffer(-(-n // tile) * tile * k, dtype)
             getattr(lib, f"kunlun_pack_{KINDS[dtype]}")(w.data_ptr(), packed.data_ptr(), n, k)
         packed_weights.append((packed, n, k))
     y = torch.empty(rows, max(w.shape[0] for w in weights), dtype=weights[0].dtype)

@@ -262,22 +262,32 @@ def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_ke
     assert ((together.double() - exact).abs() <= rounding * exact.abs() + 1e-3).all()
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "float32"])
 def test_gemm_of_rows_past_one_pass_equals_the_rows_a_few_at_a_time(native_kernel_set, weights):
     """On the AMX tiles a GEMM takes its rows in passes that fit the core's L2 (amx.h's AMX_ROWS_BYTES, 1.5 MiB:
-    96 rows of 8192 bf16 features, 192 of 8192 int8 ones); 100 and 200 rows, a ragged last pass, equal the same
-    rows taken six at a time bit for bit (on every kernel set: a row's result does not depend on the others)."""
+    96 rows of 8192 bf16 features, 192 of 8192 int8 ones); with AVX-512 a float32-weight GEMM takes K in chunks
+    whose pass of rows fits 3/4 of L2, its sums kept between chunks. 100 and 200 rows, a ragged last pass, equal the
+    same rows taken six at a time bit for bit (on every kernel set: a row's result does not depend on the others),
+    and the float32 ones are as close to the exact product as one pass over K would be."""
     g = torch.Generator().manual_seed(11)
     weight, bias = torch.randn(40, 8192, generator=g), torch.randn(40, generator=g).to(torch.bfloat16)
+    x = torch.randn(200, 8192, generator=g)
     if weights == "bf16":
         packed = cpu_gemm.pack(weight.to(torch.bfloat16))
-        linear, rows = cpu_gemm.linear, 100
-    else:
+        linear, x = cpu_gemm.linear, x[:100].to(torch.bfloat16)
+    elif weights == "int8":
         packed = cpu_kernels.pack_int8_linear_weight(*reference.quantize_int8(weight))
-        linear, rows = cpu_kernels.int8_linear, 200
-    x = torch.randn(rows, 8192, generator=g).to(torch.bfloat16)
-    apart = torch.cat([linear(x[i:i + 6], packed, bias) for i in range(0, rows, 6)])
-    assert torch.equal(linear(x, packed, bias), apart)
+        linear, x = cpu_kernels.int8_linear, x.to(torch.bfloat16)
+    else:
+        packed, linear, x, bias = cpu_gemm.pack(weight), cpu_gemm.linear, x[:100], bias.float()
+        chunk = cpu_native.selection().library.kunlun_gemm_f32_chunk(100, 8192)  # in chunks where L2 < 6.9 MB
+        assert (chunk < 8192) == native_kernel_set.startswith(("amx", "avx512")), chunk
+    together = linear(x, packed, bias)
+    assert torch.equal(together, torch.cat([linear(x[i:i + 6], packed, bias) for i in range(0, len(x), 6)]))
+    if weights == "float32":
+        exact = F.linear(x.double(), weight.double(), bias.double())
+        bound = 8193 * 2.0 ** -24 * F.linear(x.double().abs(), weight.double().abs(), bias.double().abs())
+        assert ((together.double() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

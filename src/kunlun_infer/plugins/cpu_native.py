@@ -99,6 +99,7 @@ SIGNATURES = {
     "kunlun_gemm_chunk_rows": ([ctypes.c_int], _I64),
     "kunlun_gemm_set_one_row_prefetch": ([ctypes.c_int], ctypes.c_int),
     "kunlun_gemm_one_row_prefetch": ([], ctypes.c_int),
+    "kunlun_gemm_f32_chunk": ([_I64, _I64], _I64),
     "kunlun_pack_bf16": ([_P, _P, _I64, _I64], None),
     "kunlun_gemm_bf16": ([_P, _P, _P, _P, _I64, _I64, _I64], ctypes.c_int),
     "kunlun_pack_f32": ([_P, _P, _I64, _I64], None),

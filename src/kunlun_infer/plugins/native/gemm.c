@@ -22,10 +22,18 @@
  * the weight (MC), rows packed in order and the chunk loop unrolled twice, the same GEMMs at 256 rows took 1.39x less
  * time again (bf16 104-127 -> 136-144 GFLOP/s, 77-80% of the probe beside them; float32 73-110 -> 107-128), the results
  * bit for bit the same.
+ *
+ * With AVX-512 a prefill of float32 weights keeps the blocks' pass over K whole, in registers, but takes K in chunks
+ * where a pass's rows and two chunks of weight would not fit 3/4 of L2 (the down projection), and only the first block
+ * of a tile waits on memory: the others ask for the weight's next chunk meanwhile (tile_of_blocks). On the Xeon with
+ * AMX (2 threads, the 0.5B model's layer GEMMs in turns): 0.90-0.95x the time at 24-64 rows, 0.93-0.96x at 256,
+ * 0.95x at 1024 (the down projection 0.91-0.95x, 213-243 -> 233-257 GFLOP/s), bit for bit the same; a float32
+ * prefill in the engine 1.02-1.03x the tokens a second at 256 and 1024 tokens.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "simd.h"
 
@@ -125,6 +133,13 @@ INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w
     }
 }
 
+/* cache lines of weight a block asks for while it multiplies, in place of its own weight stream (see micro_kernel);
+ * `from` NULL for its own */
+typedef struct {
+    const char *from;
+    int64_t lines;
+} ahead_t;
+
 /*
  * One block of Y (the first `rows` <= MR rows, NR columns) from packed rows `a` [K][MR] and weight tile `w`
  * [K][NR]. With few rows the FMA latency, not their throughput, would bound the loop: `phases` independent
@@ -139,18 +154,32 @@ INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w
  * reductions a pass), so that it asks for whole lines without testing where one starts. Zen 3, in turns, a
  * whole 0.5B model's bf16 GEMMs in huge pages, medians of 10-12 turns: 1 row 62.5 -> 60.1 ms, 4 rows 77.3 ->
  * 76.6, 8 rows 135.5 -> 126.9.
+ * A block whose tile an earlier block has already read asks instead for `ahead` (see tile_of_blocks), spread over
+ * its passes. `sums` ([rows][NR] float32, or NULL for zero) are where the sums start: the sums of the reductions
+ * before `a` and `w`, where K is taken in chunks.
  */
 INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t k, const float *bias,
-                         void *y, int64_t ldy, int64_t cols, const int ybf16, const int rows, const int phases) {
+                         void *y, int64_t ldy, int64_t cols, const int ybf16, const int rows, const int phases,
+                         const float *sums, ahead_t ahead) {
     vf acc0[4][MR], acc1[4][MR];
     UNROLL for (int p = 0; p < phases; p++)
         UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vf_zero();
+    if (sums)
+        UNROLL for (int r = 0; r < rows; r++) {
+            acc0[0][r] = vf_loadu(sums + r * NR);
+            acc1[0][r] = vf_loadu(sums + r * NR + VLEN);
+        }
     int64_t q = 0;
     const int64_t step = NR * (wkind == WEIGHT_BF16 ? 2 : 4);  /* bytes of weight per reduction index */
     const int turn = step * phases < 64 ? 64 / step : phases;  /* reductions per pass: whole turns, a line or more */
+    const int64_t passes = k / turn, per_pass = ahead.from && passes > 0 ? (ahead.lines + passes - 1) / passes : 0;
     for (; q + turn <= k; q += turn) {
-        if (wkind == WEIGHT_BF16 || rows > 2)
+        if (ahead.from) {
+            for (int64_t i = 0; i < per_pass && ahead.lines > 0; i++, ahead.lines--, ahead.from += 64)
+                _mm_prefetch(ahead.from, _MM_HINT_T1);
+        } else if (wkind == WEIGHT_BF16 || rows > 2) {
             prefetch_span((const char *)w + q * step, turn * step);
+        }
         UNROLL for (int i = 0; i < turn; i++) {
             const int p = i % phases;
             vf w0, w1;
@@ -188,10 +217,10 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
 /* accumulator sets for a block of R rows: at least 8 independent FMAs per reduction step, 12 for two rows
  * (measured at two rows: float32 12% faster than with 8, bf16 4%; an 8-row step's last two rows alike) */
 #define PHASES(R) ((R) == 1 ? 4 : (R) == 2 ? 3 : (R) <= 3 ? 2 : 1)
-#define ROWS_CASE(R) case R: micro_kernel(a, w, wkind, k, b, yt, n, cols, ybf16, R, PHASES(R)); break;
+#define ROWS_CASE(R) case R: micro_kernel(a, w, wkind, k, b, yt, n, cols, ybf16, R, PHASES(R), sums, ahead); break;
 
 INLINE void block_of_rows(const float *a, const void *w, const int wkind, int64_t k, const float *b, void *yt,
-                          int64_t n, int64_t cols, const int ybf16, int64_t rows) {
+                          int64_t n, int64_t cols, const int ybf16, int64_t rows, const float *sums, ahead_t ahead) {
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
 #if MR > 6
@@ -311,6 +340,66 @@ static float *row_buffer(int64_t m, int64_t k) {
     return (float *)malloc(sizeof(float) * (size_t)pass_floats(m, k) * (m > MC ? 2 : 1));
 }
 
+/* Bytes of the second-level cache of the core (sysconf; 1 MiB where it does not say), read as the library loads. */
+static int64_t l2_bytes = 1 << 20;
+__attribute__((constructor)) static void read_l2_bytes(void) {
+    const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (bytes > 0) l2_bytes = bytes;
+}
+
+/* Whether a prefill's blocks take K in chunks that fit L2 and stream the weight ahead (tile_of_blocks): float32
+ * weights with AVX-512, where it was measured faster. bf16 weights widened in registers (avx512-vnni and avx512-core
+ * on the Xeon with AMX) took 0.99-1.00x the time at 256 rows and 1.01-1.04x at 24; float32 with AVX2 there,
+ * 1.01-1.04x. */
+#define STREAMS_AHEAD(wkind) (VLEN == 16 && (wkind) == WEIGHT_F32)
+
+/* Reductions a pass of `mc` rows takes at a time (K where it fits): the pass's packed rows of a chunk (float32)
+ * and two chunks of weight tile (this one and the next, asked for ahead) within 3/4 of the core's L2. A pass of 96
+ * rows of the down projection (K = 4864, 1.9 MB of packed rows) had every block read its rows from L3. */
+static int64_t reductions_per_chunk(int64_t mc, int64_t k, const int wkind) {
+    if (!STREAMS_AHEAD(wkind)) return k;
+    const int64_t welem = wkind == WEIGHT_BF16 ? 2 : 4, per_reduction = mc * (int64_t)sizeof(float) + 2 * NR * welem;
+    const int64_t chunks = (k * per_reduction + l2_bytes * 3 / 4 - 1) / (l2_bytes * 3 / 4);
+    return chunks <= 1 ? k : ((k + chunks - 1) / chunks + 15) / 16 * 16;
+}
+
+/* The reductions per chunk of a float32-weight GEMM's passes of up to MC of its `m` rows, K `k` (K: one chunk). */
+int64_t kunlun_gemm_f32_chunk(int64_t m, int64_t k) { return reductions_per_chunk(m < MC ? m : MC, k, WEIGHT_F32); }
+
+/* One tile of Y (row stride n) for the `mc` rows packed in `blocks` blocks at `a`, K taken `chunk` reductions at a
+ * time: every block multiplies a chunk of the weight tile `w`, their sums kept in a small buffer between chunks, so
+ * that a pass's rows stay in L2 beside the chunk (the additions, where a block has 4 or more rows, those of one pass
+ * over K). The first block reads the chunk from memory, asking for it ahead as it goes; every other block reads it
+ * from cache and asks instead for a share of the next chunk (this tile's, or the next tile's first; `end` is where
+ * the packed weight ends), spread over its reductions, so the weight streams in while the blocks multiply rather
+ * than while the first waits on it. */
+INLINE void tile_of_blocks(const float *a, int64_t blocks, int64_t mc, const void *w, const int wkind, int64_t k,
+                           int64_t chunk, const char *end, const float *bias, void *yt, int64_t n, int64_t cols,
+                           const int ybf16) {
+    const int64_t welem = wkind == WEIGHT_BF16 ? 2 : 4;
+    float c[MC * NR] __attribute__((aligned(64)));
+    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+        const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
+        const char *wc = (const char *)w + k0 * NR * welem, *next = wc + kc * NR * welem;
+        const int64_t next_lines = end - next < kc * NR * welem ? (end - next) / 64 : kc * NR * welem / 64;
+        const int64_t share = blocks > 1 ? (next_lines + blocks - 2) / (blocks - 1) : 0;
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t r0 = blk * MR, rows = mc - r0 < MR ? mc - r0 : MR;
+            ahead_t ahead = {NULL, 0};
+            if (STREAMS_AHEAD(wkind) && blk > 0 && rows > 2 && next_lines > (blk - 1) * share) {
+                ahead.from = next + (blk - 1) * share * 64;
+                ahead.lines = next_lines - (blk - 1) * share < share ? next_lines - (blk - 1) * share : share;
+            }
+            const float *ab = a + blk * k * MR + k0 * MR, *sums = k0 > 0 ? c + r0 * NR : NULL;
+            if (k0 + kc == k)
+                block_of_rows(ab, wc, wkind, kc, bias, (char *)yt + r0 * n * (ybf16 ? 2 : 4), n, cols, ybf16, rows,
+                              sums, ahead);
+            else
+                block_of_rows(ab, wc, wkind, kc, NULL, c + r0 * NR, NR, NR, 0, rows, sums, ahead);
+        }
+    }
+}
+
 /* Y [M, N] = X [M, K] @ W^T + bias; X and Y bf16 (xbf16) or float32; W packed by kunlun_pack_*; `rows_buffer`
  * from row_buffer. Every thread of the team calls it (the tiles are shared among them). Passes of MC rows pack
  * into the buffer's two halves in turn, so a thread done with its tiles of one pass packs its share of the next
@@ -322,12 +411,14 @@ static float *row_buffer(int64_t m, int64_t k) {
 INLINE void gemm_share(const void *p, const int wkind, const void *x, const int xbf16, const float *bias, void *y,
                        int64_t m, int64_t n, int64_t k, float *rows_buffer) {
     const int64_t tiles = (n + NR - 1) / NR, welem = wkind == WEIGHT_BF16 ? 2 : 4;
+    const char *end = (const char *)p + tiles * k * NR * welem;
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;
         /* full blocks of MR rows, then the rest (8 rows: 6 + 2, whose 2 rows take turns over K): measured
          * faster than equal blocks (4 + 4), whose 8 accumulators only just cover the FMA latency */
         const int64_t blocks = (mc + MR - 1) / MR, per_block = MR;
         float *packed = rows_buffer + m0 / MC % 2 * pass_floats(m, k);
+        const int64_t chunk = reductions_per_chunk(mc, k, wkind);
         pack_rows((const char *)x + m0 * k * (xbf16 ? 2 : 4), xbf16, mc, k, per_block, packed);  /* then a wait */
         #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
@@ -341,12 +432,8 @@ INLINE void gemm_share(const void *p, const int wkind, const void *x, const int 
                 continue;
             }
 #endif
-            for (int64_t blk = 0; blk < blocks; blk++) {
-                const int64_t r0 = blk * per_block, rows = mc - r0 < per_block ? mc - r0 : per_block;
-                const float *a = packed + blk * k * MR;
-                void *yt = (char *)y + ((m0 + r0) * n + col) * (xbf16 ? 2 : 4);
-                block_of_rows(a, w, wkind, k, b, yt, n, cols, xbf16, rows);
-            }
+            void *yt = (char *)y + (m0 * n + col) * (xbf16 ? 2 : 4);
+            tile_of_blocks(packed, blocks, mc, w, wkind, k, chunk, end, b, yt, n, cols, xbf16);
         }
     }
 }
