@@ -26,8 +26,8 @@
  * With AVX-512 a prefill of float32 weights keeps the blocks' pass over K whole, in registers, but takes K in chunks
  * where a pass's rows and two chunks of weight would not fit 3/4 of L2 (the down projection), and only the first block
  * of a tile waits on memory: the others ask for the weight's next chunk meanwhile (tile_of_blocks). On the Xeon with
- * AMX (2 threads, the 0.5B model's layer GEMMs in turns): 0.90-0.95x the time at 24-64 rows, 0.93-0.96x at 256,
- * 0.95x at 1024 (the down projection 0.91-0.95x, 213-243 -> 233-257 GFLOP/s), bit for bit the same; a float32
+ * AMX (2 threads, the 0.5B model's layer GEMMs in turns): 0.91-0.92x the time at 24-64 rows, 0.93-0.96x at 256,
+ * 0.95-0.99x at 1024 (the down projection 0.91-0.95x, 217-243 -> 237-254 GFLOP/s), bit for bit the same; a float32
  * prefill in the engine 1.02-1.03x the tokens a second at 256 and 1024 tokens.
  */
 #include <stdint.h>
