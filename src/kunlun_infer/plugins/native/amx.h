@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
+
 /* 1 when the GEMMs run on the tiles here, 0 when the OS refused the process the tile state (gemm_bf16.c) */
 int kunlun_amx_tiles(void);
 
@@ -84,16 +86,16 @@ static inline void amx_store_sums(void *sums, int rows) {
     }
 }
 
-/* Rows of X a GEMM takes per pass over its weight tiles: all of them while they fit in AMX_ROWS_BYTES, else the
- * most blocks of 32 that do (at least one). Every weight tile multiplies every block of a pass's rows, so the pass's
- * rows stay in the core's L2 (2 MiB on the AMX Xeons), beside the weight tile, rather than coming back from L3 or
- * memory once per weight tile. On the Xeon with AMX (the 0.5B model's layer GEMMs, 2 threads, in turns against one
- * pass): bf16 at 2048 rows 0.76-0.78x the time, at 256-1024 0.96-1.03x; int8 at 2048 rows 0.89x, at 1024 0.96x, at
- * 256-512 1.00-1.01x. Passes of 1 MiB took 1.05-1.07x at 256 rows, of 512 KiB 1.08-1.24x at 256-1024. */
-#define AMX_ROWS_BYTES (3 << 19)
+/* Rows of X a GEMM takes per pass over its weight tiles: all of them while they fit in kunlun_pass_bytes (simd.h),
+ * else the most blocks of 32 that do (at least one). Every weight tile multiplies every block of a pass's rows, so
+ * the pass's rows stay in the core's L2 (2 MiB on the AMX Xeons: passes of 1.5 MiB), beside the weight tile, rather
+ * than coming back from L3 or memory once per weight tile. On the Xeon with AMX (the 0.5B model's layer GEMMs, 2
+ * threads, in turns against one pass): bf16 at 2048 rows 0.76-0.78x the time, at 256-1024 0.96-1.03x; int8 at 2048
+ * rows 0.89x, at 1024 0.96x, at 256-512 1.00-1.01x. Passes of 1 MiB took 1.05-1.07x at 256 rows, of 512 KiB
+ * 1.08-1.24x at 256-1024. */
 static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
-    if (m * row_bytes <= AMX_ROWS_BYTES) return m;
-    const int64_t blocks = AMX_ROWS_BYTES / row_bytes / 32;
+    if (m * row_bytes <= kunlun_pass_bytes) return m;
+    const int64_t blocks = kunlun_pass_bytes / row_bytes / 32;
     return blocks > 0 ? blocks * 32 : 32;
 }
 
