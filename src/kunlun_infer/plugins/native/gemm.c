@@ -351,12 +351,13 @@ static float *row_buffer(int64_t m, int64_t k) {
     return (float *)malloc(sizeof(float) * (size_t)pass_floats(m, k) * (m > MC ? 2 : 1));
 }
 
-int64_t kunlun_pass_bytes = 3 << 19;
+int64_t kunlun_l2_bytes = 2 << 20, kunlun_pass_bytes; /* the second set with the first, below */
 
-/* kunlun_pass_bytes from the size of the core's L2, as the library loads (see simd.h) */
+/* kunlun_l2_bytes and kunlun_pass_bytes from the size of the core's L2, as the library loads (see simd.h) */
 __attribute__((constructor)) static void read_l2_bytes(void) {
     const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    if (bytes > 0) kunlun_pass_bytes = bytes / 4 * 3;
+    if (bytes > 0) kunlun_l2_bytes = bytes;
+    kunlun_pass_bytes = kunlun_l2_bytes / 4 * 3;
 }
 
 /* Whether a prefill's blocks take K in chunks that fit L2 and stream the weight ahead (tile_of_blocks): float32

@@ -102,13 +102,17 @@ int kunlun_amx_tiles(void) {
     return state > 0;
 }
 
-/* rows r0.. of Y for weight tile pt (up to 32 rows, `rows` of them), over the whole of K */
+/* rows r0.. of Y for weight tile pt (up to 32 rows, `rows` of them), over the whole of K, asking for `lines` lines
+ * from `ahead` (amx_share) */
 static void amx_block(const uint16_t *pt, const uint16_t *x, int64_t k, const float *bias, uint16_t *y, int64_t ldy,
-                      int rows, __mmask16 mask0, __mmask16 mask1) {
+                      int rows, __mmask16 mask0, __mmask16 mask1, const char *ahead, int64_t lines) {
     const int two = rows > 16;
     const int64_t ldx = k * (int64_t)sizeof(uint16_t), full = k / AMX_K * AMX_K;
-    for (int64_t q = 0; q < full; q += AMX_K)
+    const int64_t steps = full / AMX_K, per_step = steps > 0 ? (lines + steps - 1) / steps : 0;
+    for (int64_t q = 0; q < full; q += AMX_K) {
+        AMX_ASK(ahead, lines, per_step);
         AMX_STEP(_tile_dpbf16ps, x + q, ldx, pt + q * TILE_N, two);
+    }
     if (full < k) { /* the ragged end of K: zero-padded copies of its rows and of its pairs of the weight */
         const int64_t left = k - full;
         uint16_t xs[32][AMX_K] __attribute__((aligned(64)));
@@ -144,12 +148,16 @@ static void amx_gemm(const uint16_t *p, const uint16_t *x, const float *bias, ui
             #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < tiles; t++) {
                 const __mmask16 mask0 = tail_mask(n - t * TILE_N), mask1 = tail_mask(n - t * TILE_N - 16);
-                const uint16_t *pt = p + t * k * TILE_N;
+                const uint16_t *pt = p + t * k * TILE_N, *next = t + 1 < tiles ? pt + k * TILE_N : NULL;
                 const float *bt = bias ? bias + t * TILE_N : NULL;
                 for (int64_t r0 = p0; r0 < p1; r0 += 32) {
                     const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
+                    const amx_ahead ahead = amx_share(next, k * TILE_N * (int64_t)sizeof(uint16_t),
+                                                      (p1 - p0) * k * (int64_t)sizeof(uint16_t), (p1 - p0 + 31) / 32,
+                                                      (r0 - p0) / 32);
                     amx_start_block(rows, &configured);
-                    amx_block(pt, x + r0 * k, k, bt, y + r0 * n + t * TILE_N, n, rows, mask0, mask1);
+                    amx_block(pt, x + r0 * k, k, bt, y + r0 * n + t * TILE_N, n, rows, mask0, mask1, ahead.from,
+                              ahead.lines);
                 }
             }
         }

@@ -334,14 +334,17 @@ static void amx_quantize_rows(const void *x, const int xbf16, int64_t m, int64_t
     }
 }
 
-/* rows of Y for weight tile w (up to 32 rows, `rows` of them) from their quantized rows q (stride kp) */
+/* rows of Y for weight tile w (up to 32 rows, `rows` of them) from their quantized rows q (stride kp), asking for
+ * `lines` lines from `ahead` (amx_share) */
 static void amx_block_int8(const int8_t *w, const int8_t *q, int64_t kp, int64_t groups, const float *sx,
                            const float *sw, const float *bias, void *y, int64_t ldy, int64_t cols, const int ybf16,
-                           int rows) {
+                           int rows, const char *ahead, int64_t lines) {
     const int two = rows > 16;
-    const int64_t full = groups / 16 * 16;
-    for (int64_t g = 0; g < full; g += 16)
+    const int64_t full = groups / 16 * 16, steps = full / 16, per_step = steps > 0 ? (lines + steps - 1) / steps : 0;
+    for (int64_t g = 0; g < full; g += 16) {
+        AMX_ASK(ahead, lines, per_step);
         AMX_STEP(_tile_dpbssd, q + g * 4, kp, w + g * NR * 4, two);
+    }
     if (full < groups) { /* the ragged end of the weight tile: a zero-padded copy (q is padded already) */
         int8_t ws[16][NR * 4] __attribute__((aligned(64)));
         memset(ws, 0, sizeof ws);
@@ -377,13 +380,15 @@ static int amx_gemm_int8(const int8_t *p, const void *x, const int xbf16, const 
             const int64_t p1 = m - p0 < pass ? m : p0 + pass;
             #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < tiles; t++) {
-                const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
+                const int64_t col = t * NR, cols = n - col < NR ? n - col : NR, bytes = groups * NR * 4;
+                const int8_t *w = p + t * bytes, *next = t + 1 < tiles ? w + bytes : NULL;
                 for (int64_t r0 = p0; r0 < p1; r0 += 32) {
                     const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
+                    const amx_ahead ahead = amx_share(next, bytes, (p1 - p0) * kp, (p1 - p0 + 31) / 32, (r0 - p0) / 32);
                     amx_start_block(rows, &configured);
-                    amx_block_int8(p + t * groups * NR * 4, q + r0 * kp, kp, groups, sx + r0, scales + col,
-                                   bias ? bias + col : NULL, (char *)y + (r0 * n + col) * (xbf16 ? 2 : 4), n, cols,
-                                   xbf16, rows);
+                    amx_block_int8(w, q + r0 * kp, kp, groups, sx + r0, scales + col, bias ? bias + col : NULL,
+                                   (char *)y + (r0 * n + col) * (xbf16 ? 2 : 4), n, cols, xbf16, rows, ahead.from,
+                                   ahead.lines);
                 }
             }
         }
