@@ -159,7 +159,8 @@ typedef struct {
  * they run out. Each ask holds one of the core's few first-level miss buffers until memory answers, and the block's
  * own loads from L2 need them too: asked for one a pass, the blocks that asked ran up to 20% slower than the first.
  * The Xeon with AMX, the 0.5B model's layer GEMMs in float32, in turns against one a pass (7 turns, an A/A control
- * of 1.00-1.01): 0.93x the time at 64 rows, 0.95x at 256, 0.98x at 1024, 1.01x at 24 (which waits on memory).
+ * of 0.99-1.01, two runs): 0.93x the time at 64 rows, 0.93-0.95x at 256, 0.98-0.99x at 1024, 1.01-1.02x at 24
+ * (which waits on memory).
  * `sums` ([rows][NR] float32, or NULL for zero) are where the sums start: the sums of the reductions before `a` and
  * `w`, where K is taken in chunks.
  */
