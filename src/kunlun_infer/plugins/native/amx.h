@@ -131,7 +131,10 @@ static inline amx_ahead amx_share(const void *next, int64_t bytes, int64_t rows_
     return ahead;
 }
 
-/* One step's part of a block's ask, `per_step` lines into L2 (the lines spread over the block's steps). */
+/* One step's part of a block's ask, `per_step` lines into L2 (the lines spread over the block's steps). A macro over
+ * the block's own variables: with an amx_ahead passed to the block and an inline function over it, the same asks
+ * (counted) left the bf16 GEMMs at 256 rows 0.97-0.99x the time of asking for nothing, against 0.90x, for a reason
+ * the code GCC emitted did not show. */
 #define AMX_ASK(FROM, LINES, PER_STEP)                                                                        \
     for (int64_t i_ = 0; i_ < (PER_STEP) && (LINES) > 0; i_++, (LINES)--, (FROM) += 64)                    \
         _mm_prefetch((FROM), _MM_HINT_T1)
