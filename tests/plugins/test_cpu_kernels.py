@@ -264,7 +264,7 @@ def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_ke
 
 @pytest.mark.parametrize("weights", ["bf16", "int8", "float32"])
 def test_gemm_of_rows_past_one_pass_equals_the_rows_a_few_at_a_time(native_kernel_set, weights):
-    """On the AMX tiles a GEMM takes its rows in passes that fit 3/4 of the core's L2 (simd.h's kunlun_pass_bytes;
+    """On the AMX tiles a GEMM takes its rows in passes that fit 3/4 of the core's L2 (simd.h's pass_bytes;
     with 2 MiB, 96 rows of 8192 bf16 features, 192 of 8192 int8 ones); with AVX-512 a float32-weight GEMM takes K
     in chunks whose pass of rows fits it, its sums kept between chunks. 100 and 200 rows, a ragged last pass, equal the
     same rows taken six at a time bit for bit (on every kernel set: a row's result does not depend on the others),

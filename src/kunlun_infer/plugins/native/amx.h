@@ -86,7 +86,7 @@ static inline void amx_store_sums(void *sums, int rows) {
     }
 }
 
-/* Rows of X a GEMM takes per pass over its weight tiles: all of them while they fit in kunlun_pass_bytes (simd.h),
+/* Rows of X a GEMM takes per pass over its weight tiles: all of them while they fit in pass_bytes() (simd.h),
  * else the most blocks of 32 that do (at least one). Every weight tile multiplies every block of a pass's rows, so
  * the pass's rows stay in the core's L2 (2 MiB on the AMX Xeons: passes of 1.5 MiB), beside the weight tile, rather
  * than coming back from L3 or memory once per weight tile. On the Xeon with AMX (the 0.5B model's layer GEMMs, 2
@@ -94,8 +94,9 @@ static inline void amx_store_sums(void *sums, int rows) {
  * rows 0.89x, at 1024 0.96x, at 256-512 1.00-1.01x. Passes of 1 MiB took 1.05-1.07x at 256 rows, of 512 KiB
  * 1.08-1.24x at 256-1024. */
 static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
-    if (m * row_bytes <= kunlun_pass_bytes) return m;
-    const int64_t blocks = kunlun_pass_bytes / row_bytes / 32;
+    const int64_t budget = pass_bytes();
+    if (m * row_bytes <= budget) return m;
+    const int64_t blocks = budget / row_bytes / 32;
     return blocks > 0 ? blocks * 32 : 32;
 }
 

@@ -352,13 +352,12 @@ static float *row_buffer(int64_t m, int64_t k) {
     return (float *)malloc(sizeof(float) * (size_t)pass_floats(m, k) * (m > MC ? 2 : 1));
 }
 
-int64_t kunlun_l2_bytes = 2 << 20, kunlun_pass_bytes; /* the second set with the first, below */
+int64_t kunlun_l2_bytes = 2 << 20;
 
-/* kunlun_l2_bytes and kunlun_pass_bytes from the size of the core's L2, as the library loads (see simd.h) */
+/* kunlun_l2_bytes from the size of the core's L2, as the library loads (see simd.h) */
 __attribute__((constructor)) static void read_l2_bytes(void) {
     const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
     if (bytes > 0) kunlun_l2_bytes = bytes;
-    kunlun_pass_bytes = kunlun_l2_bytes / 4 * 3;
 }
 
 /* Whether a prefill's blocks take K in chunks that fit L2 and stream the weight ahead (tile_of_blocks): float32
@@ -368,12 +367,12 @@ __attribute__((constructor)) static void read_l2_bytes(void) {
 #define STREAMS_AHEAD(wkind) (VLEN == 16 && (wkind) == WEIGHT_F32)
 
 /* Reductions a pass of `mc` rows takes at a time (K where it fits): the pass's packed rows of a chunk (float32)
- * and two chunks of weight tile (this one and the next, asked for ahead) within kunlun_pass_bytes (3/4 of L2). A
+ * and two chunks of weight tile (this one and the next, asked for ahead) within pass_bytes() (3/4 of L2). A
  * pass of 96 rows of the down projection (K = 4864, 1.9 MB of packed rows) had every block read its rows from L3. */
 static int64_t reductions_per_chunk(int64_t mc, int64_t k, const int wkind) {
     if (!STREAMS_AHEAD(wkind)) return k;
     const int64_t welem = wkind == WEIGHT_BF16 ? 2 : 4, per_reduction = mc * (int64_t)sizeof(float) + 2 * NR * welem;
-    const int64_t chunks = (k * per_reduction + kunlun_pass_bytes - 1) / kunlun_pass_bytes;
+    const int64_t budget = pass_bytes(), chunks = (k * per_reduction + budget - 1) / budget;
     return chunks <= 1 ? k : ((k + chunks - 1) / chunks + 15) / 16 * 16;
 }
 

@@ -248,11 +248,13 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
  * (kunlun_gemm_set_one_row_prefetch, set when the library loads: cpu_native.py) */
 extern int kunlun_one_row_prefetch;
 
-/* The core's L2 (sysconf, read as the library loads: gemm.c; 2 MiB, an AMX Xeon's, where the system does not say), and
- * the bytes of a GEMM's rows (and weight) that one pass over the weight keeps in it beside what it streams: 3/4 of it.
- * The tile GEMMs' passes of rows (amx_pass_rows) and the float32 GEMMs' chunks of K (gemm.c) are sized by the second;
- * the tile GEMMs ask for the next weight tile only where a pass's rows and two tiles fit the first (amx_share). */
-extern int64_t kunlun_l2_bytes, kunlun_pass_bytes;
+/* The core's L2 (sysconf, read as the library loads: gemm.c; 2 MiB, an AMX Xeon's, where the system does not say). The
+ * tile GEMMs ask for the next weight tile only where a pass's rows and two tiles fit it (amx_share). */
+extern int64_t kunlun_l2_bytes;
+
+/* Bytes of a GEMM's rows (and weight) that one pass over the weight keeps in the core's L2 beside what it streams: 3/4
+ * of it. The tile GEMMs' passes of rows (amx_pass_rows) and the float32 GEMMs' chunks of K (gemm.c) are sized by it. */
+INLINE int64_t pass_bytes(void) { return kunlun_l2_bytes / 4 * 3; }
 
 /* UNPREFETCHED's `once` for a GEMM of m rows whose blocks take up to `block_rows`: its weight read once, by one
  * block, and this CPU not asking ahead at one row all the same. Read once per GEMM, outside its loops. */
