@@ -100,40 +100,28 @@ static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
     return blocks > 0 ? blocks * 32 : 32;
 }
 
-/* Cache lines of the next weight tile that a block asks for while it multiplies (amx_share, AMX_ASK). */
-typedef struct {
-    const char *from;
-    int64_t lines;
-} amx_ahead;
-
 /* Blocks of a pass from which its blocks ask for the next weight tile: a weight tile's step is 2 KiB (32 lines), so a
  * block after the first asks for 32 / (blocks - 1) lines a step, at most 8 from 5 blocks. Each ask holds one of the
  * core's few first-level miss buffers until memory answers, which the tile loads from L2 need too; with fewer blocks
  * the weight is better left to the hardware prefetchers (int8 at 96 rows, 16 lines a step: 1.13x the time). */
 #define AMX_ASK_BLOCKS 5
 
-/* What block `blk` of a pass's `blocks` (`rows_bytes` of rows) asks for: an equal share of the next weight tile
- * (`next`, `bytes` long; NULL after the last tile) for every block but the first, which reads its own tile as the
- * blocks before asked for it. The weight then streams in while the tiles multiply, rather than while the first block
- * of each tile waits on it. Nothing where the pass's rows and two tiles would not fit L2: the next tile would push out
- * rows the blocks still read (the down projection, K = 4864, in passes of 160 rows: 1.04-1.06x the time).
+/* What block `blk` of a pass's `blocks` (`rows_bytes` of rows) asks for of the next weight tile (`next`, `bytes` long;
+ * NULL after the last tile): its block_share (simd.h). The weight then streams in while the tiles multiply, rather
+ * than while the first block of each tile waits on it. Nothing where the pass's rows and two tiles would not fit L2:
+ * the next tile would push out rows the blocks still read (the down projection, K = 4864, in passes of 160 rows:
+ * 1.04-1.06x the time).
  * On the Xeon with AMX (2 threads, the 0.5B model's layer GEMMs, 7 turns against asking for nothing, with an A/A
  * control beside): bf16 0.91x the time at 160 rows, 0.90x at 256, 0.94x at 1024 (A/A 0.99-1.01), 0.93x at 2048 (A/A
  * 0.95); int8 0.98x at 160-256 (A/A 0.99-1.01), 0.94x at 1024 (0.96), 0.96x at 2048 (0.98); 64 rows (two blocks) as
  * before. A bf16 prefill in the engine 1.05x the tokens a second at 256 and 1024 tokens. */
-static inline amx_ahead amx_share(const void *next, int64_t bytes, int64_t rows_bytes, int64_t blocks, int64_t blk) {
-    amx_ahead ahead = {NULL, 0};
-    if (next == NULL || blk == 0 || blocks < AMX_ASK_BLOCKS || rows_bytes + 2 * bytes > kunlun_l2_bytes) return ahead;
-    const int64_t lines = bytes / 64, share = (lines + blocks - 2) / (blocks - 1), done = (blk - 1) * share;
-    if (done < lines) {
-        ahead.from = (const char *)next + done * 64;
-        ahead.lines = lines - done < share ? lines - done : share;
-    }
-    return ahead;
+static inline ahead_t amx_share(const void *next, int64_t bytes, int64_t rows_bytes, int64_t blocks, int64_t blk) {
+    if (next == NULL || blocks < AMX_ASK_BLOCKS || rows_bytes + 2 * bytes > kunlun_l2_bytes) return (ahead_t){NULL, 0};
+    return block_share((const char *)next, bytes / 64, blocks, blk);
 }
 
 /* One step's part of a block's ask, `per_step` lines into L2 (the lines spread over the block's steps). A macro over
- * the block's own variables: with an amx_ahead passed to the block and an inline function over it, the same asks
+ * the block's own variables: with an ahead_t passed to the block and an inline function over it, the same asks
  * (counted) left the bf16 GEMMs at 256 rows 0.97-0.99x the time of asking for nothing, against 0.90x, for a reason
  * the code GCC emitted did not show. */
 #define AMX_ASK(FROM, LINES, PER_STEP)                                                                        \

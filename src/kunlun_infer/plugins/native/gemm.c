@@ -133,13 +133,6 @@ INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w
     }
 }
 
-/* cache lines of weight a block asks for while it multiplies, in place of its own weight stream (see micro_kernel);
- * `from` NULL for its own */
-typedef struct {
-    const char *from;
-    int64_t lines;
-} ahead_t;
-
 /*
  * One block of Y (the first `rows` <= MR rows, NR columns) from packed rows `a` [K][MR] and weight tile `w`
  * [K][NR]. With few rows the FMA latency, not their throughput, would bound the loop: `phases` independent
@@ -395,14 +388,11 @@ INLINE void tile_of_blocks(const float *a, int64_t blocks, int64_t mc, const voi
         const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
         const char *wc = (const char *)w + k0 * NR * welem, *next = wc + kc * NR * welem;
         const int64_t next_lines = end - next < kc * NR * welem ? (end - next) / 64 : kc * NR * welem / 64;
-        const int64_t share = blocks > 1 ? (next_lines + blocks - 2) / (blocks - 1) : 0;
         for (int64_t blk = 0; blk < blocks; blk++) {
             const int64_t r0 = blk * MR, rows = mc - r0 < MR ? mc - r0 : MR;
-            ahead_t ahead = {NULL, 0};
-            if (STREAMS_AHEAD(wkind) && blk > 0 && rows > 2 && next_lines > (blk - 1) * share) {
-                ahead.from = next + (blk - 1) * share * 64;
-                ahead.lines = next_lines - (blk - 1) * share < share ? next_lines - (blk - 1) * share : share;
-            }
+            /* a block's own weight stream where `from` is NULL (see micro_kernel) */
+            const ahead_t ahead = STREAMS_AHEAD(wkind) && rows > 2 ? block_share(next, next_lines, blocks, blk)
+                                                                    : (ahead_t){NULL, 0};
             const float *ab = a + blk * k * MR + k0 * MR, *sums = k0 > 0 ? c + r0 * NR : NULL;
             if (k0 + kc == k)
                 block_of_rows(ab, wc, wkind, kc, bias, (char *)yt + r0 * n * (ybf16 ? 2 : 4), n, cols, ybf16, rows,

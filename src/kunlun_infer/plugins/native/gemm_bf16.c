@@ -152,9 +152,9 @@ static void amx_gemm(const uint16_t *p, const uint16_t *x, const float *bias, ui
                 const float *bt = bias ? bias + t * TILE_N : NULL;
                 for (int64_t r0 = p0; r0 < p1; r0 += 32) {
                     const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
-                    const amx_ahead ahead = amx_share(next, k * TILE_N * (int64_t)sizeof(uint16_t),
-                                                      (p1 - p0) * k * (int64_t)sizeof(uint16_t), (p1 - p0 + 31) / 32,
-                                                      (r0 - p0) / 32);
+                    const ahead_t ahead = amx_share(next, k * TILE_N * (int64_t)sizeof(uint16_t),
+                                                    (p1 - p0) * k * (int64_t)sizeof(uint16_t), (p1 - p0 + 31) / 32,
+                                                    (r0 - p0) / 32);
                     amx_start_block(rows, &configured);
                     amx_block(pt, x + r0 * k, k, bt, y + r0 * n + t * TILE_N, n, rows, mask0, mask1, ahead.from,
                               ahead.lines);

@@ -384,7 +384,7 @@ static int amx_gemm_int8(const int8_t *p, const void *x, const int xbf16, const 
                 const int8_t *w = p + t * bytes, *next = t + 1 < tiles ? w + bytes : NULL;
                 for (int64_t r0 = p0; r0 < p1; r0 += 32) {
                     const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
-                    const amx_ahead ahead = amx_share(next, bytes, (p1 - p0) * kp, (p1 - p0 + 31) / 32, (r0 - p0) / 32);
+                    const ahead_t ahead = amx_share(next, bytes, (p1 - p0) * kp, (p1 - p0 + 31) / 32, (r0 - p0) / 32);
                     amx_start_block(rows, &configured);
                     amx_block_int8(w, q + r0 * kp, kp, groups, sx + r0, scales + col, bias ? bias + col : NULL,
                                    (char *)y + (r0 * n + col) * (xbf16 ? 2 : 4), n, cols, xbf16, rows, ahead.from,

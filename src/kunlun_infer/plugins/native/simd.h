@@ -256,6 +256,27 @@ extern int64_t kunlun_l2_bytes;
  * of it. The tile GEMMs' passes of rows (amx_pass_rows) and the float32 GEMMs' chunks of K (gemm.c) are sized by it. */
 INLINE int64_t pass_bytes(void) { return kunlun_l2_bytes / 4 * 3; }
 
+/* Cache lines of weight that a block of rows asks for while it multiplies (block_share). */
+typedef struct {
+    const char *from;
+    int64_t lines;
+} ahead_t;
+
+/* What block `blk` of `blocks` asks for of the `lines` lines at `next` (the weight the blocks multiply next), while it
+ * multiplies what the first block read: an equal share for every block but the first, which reads its own weight as
+ * the blocks before asked for it; nothing for the first. Shared by the float32 GEMMs (gemm.c's tile_of_blocks) and the
+ * tile GEMMs (amx_share). */
+INLINE ahead_t block_share(const char *next, int64_t lines, int64_t blocks, int64_t blk) {
+    ahead_t ahead = {NULL, 0};
+    if (blk == 0) return ahead;
+    const int64_t share = (lines + blocks - 2) / (blocks - 1), done = (blk - 1) * share;
+    if (done < lines) {
+        ahead.from = next + done * 64;
+        ahead.lines = lines - done < share ? lines - done : share;
+    }
+    return ahead;
+}
+
 /* UNPREFETCHED's `once` for a GEMM of m rows whose blocks take up to `block_rows`: its weight read once, by one
  * block, and this CPU not asking ahead at one row all the same. Read once per GEMM, outside its loops. */
 INLINE int reads_once(int64_t m, int64_t block_rows) { return m <= block_rows && !kunlun_one_row_prefetch; }
