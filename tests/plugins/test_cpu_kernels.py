@@ -264,9 +264,10 @@ def test_native_gemm_of_many_rows_sums_exactly_as_a_few_rows_at_a_time(native_ke
 
 @pytest.mark.parametrize("weights", ["bf16", "int8", "float32"])
 def test_gemm_of_rows_past_one_pass_equals_the_rows_a_few_at_a_time(native_kernel_set, weights):
-    """On the AMX tiles a GEMM takes its rows in passes that fit 3/4 of the core's L2 (simd.h's pass_bytes;
+    """On the AMX tiles a GEMM takes its rows in passes that fit 3/4 of the core's L2 (amx.h's pass_bytes;
     with 2 MiB, 96 rows of 8192 bf16 features, 192 of 8192 int8 ones); with AVX-512 a float32-weight GEMM takes K
-    in chunks whose pass of rows fits it, its sums kept between chunks. 100 and 200 rows, a ragged last pass, equal the
+    in chunks whose pass of rows fits half of it, its sums kept in Y between chunks (the second tile, 8 columns, a
+    ragged one). 100 and 200 rows, a ragged last pass, equal the
     same rows taken six at a time bit for bit (on every kernel set: a row's result does not depend on the others),
     and the float32 ones are as close to the exact product as one pass over K would be."""
     g = torch.Generator().manual_seed(11)
@@ -280,7 +281,7 @@ def test_gemm_of_rows_past_one_pass_equals_the_rows_a_few_at_a_time(native_kerne
         linear, x = cpu_kernels.int8_linear, x.to(torch.bfloat16)
     else:
         packed, linear, x, bias = cpu_gemm.pack(weight), cpu_gemm.linear, x[:100], bias.float()
-        chunk = cpu_native.selection().library.kunlun_gemm_f32_chunk(100, 8192)  # in chunks where L2 < 6.9 MB
+        chunk = cpu_native.selection().library.kunlun_gemm_f32_chunk(100, 8192)  # in chunks where L2 < 10.5 MB
         assert (chunk < 8192) == native_kernel_set.startswith(("amx", "avx512")), chunk
     together = linear(x, packed, bias)
     assert torch.equal(together, torch.cat([linear(x[i:i + 6], packed, bias) for i in range(0, len(x), 6)]))

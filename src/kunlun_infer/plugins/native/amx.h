@@ -86,7 +86,11 @@ static inline void amx_store_sums(void *sums, int rows) {
     }
 }
 
-/* Rows of X a GEMM takes per pass over its weight tiles: all of them while they fit in pass_bytes() (simd.h),
+/* Bytes of a GEMM's rows that one pass over the weight tiles keeps in the core's L2 beside what it streams: 3/4 of it
+ * (see amx_pass_rows). */
+static inline int64_t pass_bytes(void) { return kunlun_l2_bytes / 4 * 3; }
+
+/* Rows of X a GEMM takes per pass over its weight tiles: all of them while they fit in pass_bytes(),
  * else the most blocks of 32 that do (at least one). Every weight tile multiplies every block of a pass's rows, so
  * the pass's rows stay in the core's L2 (2 MiB on the AMX Xeons: passes of 1.5 MiB), beside the weight tile, rather
  * than coming back from L3 or memory once per weight tile. On the Xeon with AMX (the 0.5B model's layer GEMMs, 2

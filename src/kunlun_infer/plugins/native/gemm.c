@@ -24,8 +24,8 @@
  * bit for bit the same.
  *
  * With AVX-512 a prefill of float32 weights keeps the blocks' pass over K whole, in registers, but takes K in chunks
- * where a pass's rows and two chunks of weight would not fit 3/4 of L2 (the down projection), and only the first block
- * of a tile waits on memory: the others ask for the weight's next chunk meanwhile (tile_of_blocks). On the Xeon with
+ * where a pass's rows and two chunks of weight would not fit half of L2 (the down projection), and only the first block
+ * of a tile waits on memory: the others ask for the weight's next chunk meanwhile (tile_chunk). On the Xeon with
  * AMX (2 threads, the 0.5B model's layer GEMMs in turns): 0.91-0.92x the time at 24-64 rows, 0.93-0.96x at 256,
  * 0.95-0.99x at 1024 (the down projection 0.91-0.95x, 217-243 -> 237-254 GFLOP/s), bit for bit the same; a float32
  * prefill in the engine 1.02-1.03x the tokens a second at 256 and 1024 tokens.
@@ -34,6 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#include <omp.h>
 
 #include "simd.h"
 
@@ -147,15 +149,19 @@ INLINE void weight_pair(const void *w, const int wkind, int64_t q, vf *w0, vf *w
  * reductions a pass), so that it asks for whole lines without testing where one starts. Zen 3, in turns, a
  * whole 0.5B model's bf16 GEMMs in huge pages, medians of 10-12 turns: 1 row 62.5 -> 60.1 ms, 4 rows 77.3 ->
  * 76.6, 8 rows 135.5 -> 126.9.
- * A block whose tile an earlier block has already read asks instead for `ahead` (see tile_of_blocks), spread evenly
- * over its passes: where it has fewer lines than passes, one line every few passes rather than one a pass until
- * they run out. Each ask holds one of the core's few first-level miss buffers until memory answers, and the block's
- * own loads from L2 need them too: asked for one a pass, the blocks that asked ran up to 20% slower than the first.
- * The Xeon with AMX, the 0.5B model's layer GEMMs in float32, in turns against one a pass (7 turns, an A/A control
- * of 0.99-1.01, two runs): 0.93x the time at 64 rows, 0.93-0.95x at 256, 0.98-0.99x at 1024, 1.01-1.02x at 24
- * (which waits on memory).
- * `sums` ([rows][NR] float32, or NULL for zero) are where the sums start: the sums of the reductions before `a` and
- * `w`, where K is taken in chunks.
+ * With AVX-512 a pass takes two reductions or more: a block of 12 rows from L2 on the Xeon with AMX, one core, ran
+ * at 186-189 GFLOP/s against 180-181 taking one (the FMA probe ~210).
+ * A block whose tile an earlier block has already read asks instead for `ahead` (see tile_chunk), spread evenly
+ * over its passes, as many lines by the end of each pass as its share of them: where it has fewer lines than passes,
+ * one every few passes rather than one a pass until they run out. Each ask holds one of the core's few first-level
+ * miss buffers until memory answers, and the block's own loads from L2 need them too: asked for one a pass, the
+ * blocks that asked ran up to 20% slower than the first. The Xeon with AMX, the 0.5B model's layer GEMMs in
+ * float32, in turns against one a pass (7 turns, an A/A control of 0.99-1.01, two runs): 0.93x the time at 64 rows,
+ * 0.93-0.95x at 256, 0.98-0.99x at 1024, 1.01-1.02x at 24 (which waits on memory). Against that (one every
+ * passes / lines passes, rounded down, so that the asks ended early), the exact spread with two reductions a pass:
+ * 0.94x at 64-1024 rows, two runs, the A/A control 0.98-1.00.
+ * `sums` (float32 at `y`'s stride, or NULL for zero) are where the sums start: the sums of the reductions before `a`
+ * and `w`, where K is taken in chunks.
  */
 INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t k, const float *bias,
                          void *y, int64_t ldy, int64_t cols, const int ybf16, const int rows, const int phases,
@@ -165,23 +171,20 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
         UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vf_zero();
     if (sums)
         UNROLL for (int r = 0; r < rows; r++) {
-            acc0[0][r] = vf_loadu(sums + r * NR);
-            acc1[0][r] = vf_loadu(sums + r * NR + VLEN);
+            acc0[0][r] = vf_load_n(sums, r * ldy, cols, 0);
+            acc1[0][r] = vf_load_n(sums, r * ldy + VLEN, cols - VLEN, 0);
         }
     int64_t q = 0;
     const int64_t step = NR * (wkind == WEIGHT_BF16 ? 2 : 4);  /* bytes of weight per reduction index */
-    const int turn = step * phases < 64 ? 64 / step : phases;  /* reductions per pass: whole turns, a line or more */
-    const int64_t passes = k / turn, per_pass = ahead.from && passes > 0 ? (ahead.lines + passes - 1) / passes : 0;
-    /* passes from one ask to the next: more than one where the lines are fewer than the passes */
-    const int64_t every = per_pass == 1 ? passes / ahead.lines : 1;
-    int64_t wait = 0;
+    /* reductions per pass: whole turns, a line or more; with AVX-512 two or more (see above) */
+    const int line_turn = step * phases < 64 ? 64 / step : phases, turn = VLEN == 16 && line_turn < 2 ? 2 : line_turn;
+    /* the asks spread evenly: (i + 1) * lines / passes lines asked for by the end of pass i */
+    const int64_t passes = k / turn;
+    int64_t credit = 0;
     for (; q + turn <= k; q += turn) {
         if (ahead.from) {
-            if (--wait <= 0) {
-                wait = every;
-                for (int64_t i = 0; i < per_pass && ahead.lines > 0; i++, ahead.lines--, ahead.from += 64)
-                    _mm_prefetch(ahead.from, _MM_HINT_T1);
-            }
+            for (credit += ahead.lines; credit >= passes; credit -= passes, ahead.from += 64)
+                _mm_prefetch(ahead.from, _MM_HINT_T1);
         } else if (wkind == WEIGHT_BF16 || rows > 2) {
             prefetch_span((const char *)w + q * step, turn * step);
         }
@@ -353,68 +356,65 @@ __attribute__((constructor)) static void read_l2_bytes(void) {
     if (bytes > 0) kunlun_l2_bytes = bytes;
 }
 
-/* Whether a prefill's blocks take K in chunks that fit L2 and stream the weight ahead (tile_of_blocks): float32
+/* Whether a prefill's blocks take K in chunks that fit L2 and stream the weight ahead (tile_chunk): float32
  * weights with AVX-512, where it was measured faster. bf16 weights widened in registers (avx512-vnni and avx512-core
  * on the Xeon with AMX) took 0.99-1.00x the time at 256 rows and 1.01-1.04x at 24; float32 with AVX2 there,
- * 1.01-1.04x. */
+ * 1.01-1.04x. Where K goes in chunks, the sums wait in Y between them: float32, as only float32 weights take chunks. */
 #define STREAMS_AHEAD(wkind) (VLEN == 16 && (wkind) == WEIGHT_F32)
 
 /* Reductions a pass of `mc` rows takes at a time (K where it fits): the pass's packed rows of a chunk (float32)
- * and two chunks of weight tile (this one and the next, asked for ahead) within pass_bytes() (3/4 of L2). A
- * pass of 96 rows of the down projection (K = 4864, 1.9 MB of packed rows) had every block read its rows from L3. */
+ * and two chunks of weight tile (this one and the next, asked for ahead) within half of L2. A pass of 96 rows of the
+ * down projection (K = 4864, 1.9 MB of packed rows) had every block read its rows from L3. Half rather than
+ * amx.h's pass_bytes() (3/4), which the tile GEMMs' passes measured best: the Xeon with AMX, the down projection at 256 and
+ * 1024 rows, 3 chunks rather than 2, 0.96x the time (287 -> 299 GFLOP/s, bit for bit the same). A single block
+ * (a decode step's rows) takes K whole: it reads its weight once, and chunks only cost it (1.05x at 12 rows). */
 static int64_t reductions_per_chunk(int64_t mc, int64_t k, const int wkind) {
-    if (!STREAMS_AHEAD(wkind)) return k;
+    if (!STREAMS_AHEAD(wkind) || mc <= MR) return k;
     const int64_t welem = wkind == WEIGHT_BF16 ? 2 : 4, per_reduction = mc * (int64_t)sizeof(float) + 2 * NR * welem;
-    const int64_t budget = pass_bytes(), chunks = (k * per_reduction + budget - 1) / budget;
+    const int64_t budget = kunlun_l2_bytes / 2, chunks = (k * per_reduction + budget - 1) / budget;
     return chunks <= 1 ? k : ((k + chunks - 1) / chunks + 15) / 16 * 16;
 }
 
 /* The reductions per chunk of a float32-weight GEMM's passes of up to MC of its `m` rows, K `k` (K: one chunk). */
 int64_t kunlun_gemm_f32_chunk(int64_t m, int64_t k) { return reductions_per_chunk(m < MC ? m : MC, k, WEIGHT_F32); }
 
-/* One tile of Y (row stride n) for the `mc` rows packed in `blocks` blocks at `a`, K taken `chunk` reductions at a
- * time: every block multiplies a chunk of the weight tile `w`, their sums kept in a small buffer between chunks, so
- * that a pass's rows stay in L2 beside the chunk (the additions, where a block has 4 or more rows, those of one pass
- * over K). The first block reads the chunk from memory, asking for it ahead as it goes; every other block reads it
- * from cache and asks instead for a share of the next chunk (this tile's, or the next tile's first; `end` is where
- * the packed weight ends), spread over its reductions, so the weight streams in while the blocks multiply rather
- * than while the first waits on it. */
-INLINE void tile_of_blocks(const float *a, int64_t blocks, int64_t mc, const void *w, const int wkind, int64_t k,
-                           int64_t chunk, const char *end, const float *bias, void *yt, int64_t n, int64_t cols,
-                           const int ybf16) {
-    const int64_t welem = wkind == WEIGHT_BF16 ? 2 : 4;
-    float c[MC * NR] __attribute__((aligned(64)));
-    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
-        const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
-        const char *wc = (const char *)w + k0 * NR * welem, *next = wc + kc * NR * welem;
-        const int64_t next_lines = end - next < kc * NR * welem ? (end - next) / 64 : kc * NR * welem / 64;
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            const int64_t r0 = blk * MR, rows = mc - r0 < MR ? mc - r0 : MR;
-            /* a block's own weight stream where `from` is NULL (see micro_kernel) */
-            const ahead_t ahead = STREAMS_AHEAD(wkind) && rows > 2 ? block_share(next, next_lines, blocks, blk)
-                                                                    : (ahead_t){NULL, 0};
-            const float *ab = a + blk * k * MR + k0 * MR, *sums = k0 > 0 ? c + r0 * NR : NULL;
-            if (k0 + kc == k)
-                block_of_rows(ab, wc, wkind, kc, bias, (char *)yt + r0 * n * (ybf16 ? 2 : 4), n, cols, ybf16, rows,
-                              sums, ahead);
-            else
-                block_of_rows(ab, wc, wkind, kc, NULL, c + r0 * NR, NR, NR, 0, rows, sums, ahead);
-        }
+/* Reductions [k0, k0 + kc) of one tile of Y (row stride n) for the `mc` rows packed in `blocks` blocks at `a`, from
+ * the chunk `wc` of the weight tile; the sums of the reductions before k0 are read back from Y (see STREAMS_AHEAD).
+ * The first block reads the chunk from memory, asking for it ahead as it goes; every other block reads it from
+ * cache and asks instead for a share of the `next_lines` lines at `next` (what this thread multiplies next, or
+ * NULL), spread over its reductions, so the weight streams in while the blocks multiply rather than while the first
+ * waits on it. */
+INLINE void tile_chunk(const float *a, int64_t blocks, int64_t mc, const char *wc, const int wkind, int64_t k,
+                       int64_t k0, int64_t kc, const char *next, int64_t next_lines, const float *bias, void *yt,
+                       int64_t n, int64_t cols, const int ybf16) {
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t r0 = blk * MR, rows = mc - r0 < MR ? mc - r0 : MR;
+        /* a block's own weight stream where `from` is NULL (see micro_kernel) */
+        const ahead_t ahead = next && rows > 2 ? block_share(next, next_lines, blocks, blk) : (ahead_t){NULL, 0};
+        void *yb = (char *)yt + r0 * n * (ybf16 ? 2 : 4);
+        block_of_rows(a + blk * k * MR + k0 * MR, wc, wkind, kc, k0 + kc == k ? bias : NULL, yb, n, cols, ybf16,
+                      rows, k0 > 0 ? (const float *)yb : NULL, ahead);
     }
 }
 
 /* Y [M, N] = X [M, K] @ W^T + bias; X and Y bf16 (xbf16) or float32; W packed by kunlun_pack_*; `rows_buffer`
- * from row_buffer. Every thread of the team calls it (the tiles are shared among them). Passes of MC rows pack
- * into the buffer's two halves in turn, so a thread done with its tiles of one pass packs its share of the next
- * while the others finish theirs: the team waits once a pass (for the packed rows), not twice. No thread packs
- * over rows still in use: it could pack pass i + 1 only past the wait of pass i, which every thread reaches
- * after its tiles of pass i - 1, the last to use that half. Zen 4, both builds in turns in one process (medians of
- * 15 turns, the 0.5B model's layer GEMMs at 256 rows, 2 threads), the results bit for bit the same: AVX2 in
- * chunks 0.91-0.99 of the time in bf16 (four runs), 0.96-1.0 in float32; AVX-512 float32 0.98. */
+ * from row_buffer. Every thread of the team calls it, and takes its own run of tiles, the same in every pass and
+ * chunk. Passes of MC rows pack into the buffer's two halves in turn, so a thread done with its tiles of one pass
+ * packs its share of the next while the others finish theirs: the team waits once a pass (for the packed rows), not
+ * twice. No thread packs over rows still in use: it could pack pass i + 1 only past the wait of pass i, which every
+ * thread reaches after its tiles of pass i - 1, the last to use that half. Zen 4, both builds in turns in one
+ * process (medians of 15 turns, the 0.5B model's layer GEMMs at 256 rows, 2 threads), the results bit for bit the
+ * same: AVX2 in chunks 0.91-0.99 of the time in bf16 (four runs), 0.96-1.0 in float32; AVX-512 float32 0.98.
+ * Where K goes in chunks a thread takes every tile's first chunk, then every tile's second, and so on, so that the
+ * pass's rows of a chunk stay in L2 while the weight streams past them; taking each tile's chunks in turn, every
+ * chunk had read its rows again from L3. The Xeon with AMX, the down projection at 256 rows, in turns: 259 -> 282
+ * GFLOP/s, bit for bit the same. A thread's last tile of a chunk asks for its first tile's next chunk, or (with a
+ * pass to come) its first chunk, rather than for the next thread's tile. */
 INLINE void gemm_share(const void *p, const int wkind, const void *x, const int xbf16, const float *bias, void *y,
                        int64_t m, int64_t n, int64_t k, float *rows_buffer) {
-    const int64_t tiles = (n + NR - 1) / NR, welem = wkind == WEIGHT_BF16 ? 2 : 4;
-    const char *end = (const char *)p + tiles * k * NR * welem;
+    const int64_t tiles = (n + NR - 1) / NR, welem = wkind == WEIGHT_BF16 ? 2 : 4, tile_bytes = k * NR * welem;
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t first = tiles * me / team, last = tiles * (me + 1) / team;  /* this thread's tiles */
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;
         /* full blocks of MR rows, then the rest (8 rows: 6 + 2, whose 2 rows take turns over K): measured
@@ -423,20 +423,38 @@ INLINE void gemm_share(const void *p, const int wkind, const void *x, const int 
         float *packed = rows_buffer + m0 / MC % 2 * pass_floats(m, k);
         const int64_t chunk = reductions_per_chunk(mc, k, wkind);
         pack_rows((const char *)x + m0 * k * (xbf16 ? 2 : 4), xbf16, mc, k, per_block, packed);  /* then a wait */
-        #pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < tiles; t++) {
-            const void *w = (const char *)p + t * k * NR * welem;
-            const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
-            const float *b = bias ? bias + col : NULL;
+        void *yp = (char *)y + m0 * n * (xbf16 ? 2 : 4);
 #if VLEN == 8
-            if (chunked(m, wkind)) {
-                void *yt = (char *)y + (m0 * n + col) * (xbf16 ? 2 : 4);
-                tile_in_chunks(packed, blocks, mc, w, wkind, k, b, yt, n, cols, xbf16);
-                continue;
+        if (chunked(m, wkind)) {
+            for (int64_t t = first; t < last; t++) {
+                const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
+                tile_in_chunks(packed, blocks, mc, (const char *)p + t * tile_bytes, wkind, k, bias ? bias + col : NULL,
+                               (char *)yp + col * (xbf16 ? 2 : 4), n, cols, xbf16);
             }
+            continue;
+        }
 #endif
-            void *yt = (char *)y + (m0 * n + col) * (xbf16 ? 2 : 4);
-            tile_of_blocks(packed, blocks, mc, w, wkind, k, chunk, end, b, yt, n, cols, xbf16);
+        for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+            const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
+            for (int64_t t = first; t < last; t++) {
+                const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
+                /* what this thread multiplies next: the next tile's chunk, else its first tile's next chunk, else
+                 * (another pass to come) its first tile's first chunk */
+                const char *next = NULL;
+                int64_t next_kc = kc;
+                if (t + 1 < last) {
+                    next = (const char *)p + (t + 1) * tile_bytes + k0 * NR * welem;
+                } else if (k0 + kc < k) {
+                    next = (const char *)p + first * tile_bytes + (k0 + kc) * NR * welem;
+                    next_kc = k - k0 - kc < chunk ? k - k0 - kc : chunk;
+                } else if (m0 + MC < m) {
+                    next = (const char *)p + first * tile_bytes;
+                    next_kc = chunk;
+                }
+                tile_chunk(packed, blocks, mc, (const char *)p + t * tile_bytes + k0 * NR * welem, wkind, k, k0, kc,
+                           STREAMS_AHEAD(wkind) ? next : NULL, next_kc * NR * welem / 64, bias ? bias + col : NULL,
+                           (char *)yp + col * (xbf16 ? 2 : 4), n, cols, xbf16);
+            }
         }
     }
 }

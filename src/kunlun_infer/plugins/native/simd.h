@@ -249,12 +249,9 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
 extern int kunlun_one_row_prefetch;
 
 /* The core's L2 (sysconf, read as the library loads: gemm.c; 2 MiB, an AMX Xeon's, where the system does not say). The
- * tile GEMMs ask for the next weight tile only where a pass's rows and two tiles fit it (amx_share). */
+ * tile GEMMs' passes of rows (amx_pass_rows) and the float32 GEMMs' chunks of K (gemm.c) are sized by it, and the tile
+ * GEMMs ask for the next weight tile only where a pass's rows and two tiles fit it (amx_share). */
 extern int64_t kunlun_l2_bytes;
-
-/* Bytes of a GEMM's rows (and weight) that one pass over the weight keeps in the core's L2 beside what it streams: 3/4
- * of it. The tile GEMMs' passes of rows (amx_pass_rows) and the float32 GEMMs' chunks of K (gemm.c) are sized by it. */
-INLINE int64_t pass_bytes(void) { return kunlun_l2_bytes / 4 * 3; }
 
 /* Cache lines of weight that a block of rows asks for while it multiplies (block_share). */
 typedef struct {
@@ -264,8 +261,8 @@ typedef struct {
 
 /* What block `blk` of `blocks` asks for of the `lines` lines at `next` (the weight the blocks multiply next), while it
  * multiplies what the first block read: an equal share for every block but the first, which reads its own weight as
- * the blocks before asked for it; nothing for the first. Shared by the float32 GEMMs (gemm.c's tile_of_blocks) and the
- * tile GEMMs (amx_share). */
+ * the blocks before asked for it; nothing for the first. Shared by the float32 GEMMs (gemm.c's tile_chunk) and the tile
+ * GEMMs (amx_share). */
 INLINE ahead_t block_share(const char *next, int64_t lines, int64_t blocks, int64_t blk) {
     ahead_t ahead = {NULL, 0};
     if (blk == 0) return ahead;
