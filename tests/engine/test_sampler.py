@@ -31,6 +31,28 @@ def test_greedy_takes_the_argmax():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_a_nan_as_argmax_does():
+    """Greedy output is reproducible across engines only if ties break alike: the first index of the largest
+    value, a NaN counted largest (a row of -inf gives 0), in a mixed batch too, and over a full vocabulary."""
+    wide = torch.zeros(3, 151936)
+    wide[0, [7, 150000]] = 2.0
+    wide[1, [99_999, 100_000]] = float("inf")
+    wide[2, [5, 6]] = float("nan")
+    rows = [
+        torch.tensor([[1.0, 3.0, 3.0, 2.0], [float("nan"), 1.0, float("nan"), 5.0],
+                      [-math.inf] * 4, [2.0, 9.0, 9.0, math.inf]]),
+        torch.randint(0, 3, (16, 1000), generator=seeded(2)).float(),
+        wide,
+    ]
+    for logits in rows:
+        expected = logits.argmax(-1).tolist()
+        n = len(logits)
+        assert sampler()(logits, [SamplingParams(temperature=0)] * n, [None] * n).token_ids == expected
+        mixed = [SamplingParams(temperature=0) if i % 2 == 0 else SamplingParams(temperature=1.0) for i in range(n)]
+        assert sampler()(logits, mixed, [None] * n).token_ids[::2] == expected[::2]
+    assert [row[0] for row in rows[0].argmax(-1, keepdim=True).tolist()] == [1, 0, 0, 3]
+
+
 def test_top_k_keeps_only_the_k_best():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
     filtered = apply_top_k_top_p(logits, torch.tensor([2]), None)

@@ -24,7 +24,7 @@ import torch
 
 from kunlun_infer.engine.model_runner import ModelRunner, build_step_inputs
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.sampler import Sampler, draw_row
+from kunlun_infer.engine.sampler import Sampler, draw_row, greedy_tokens
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.engine.step_graph import step_graphs
 from kunlun_infer.errors import ConfigError
@@ -154,7 +154,7 @@ class DraftModelProposer:
     def _draw(self, logits: torch.Tensor, params: SamplingParams,
               generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
         if params.greedy:
-            return int(logits.argmax()), None
+            return int(greedy_tokens(logits)), None
         dist = self.sampler.distribution(logits, [params])[0]
         token = draw_row(dist, generator if generator is not None else self.sampler.generator)
         return token, dist

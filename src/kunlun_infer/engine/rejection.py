@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.sampler import draw_row
+from kunlun_infer.engine.sampler import draw_row, greedy_tokens
 
 
 def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
@@ -25,7 +25,7 @@ def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
     """
     d = len(drafts)
     if params.greedy:
-        targets = logits.argmax(dim=-1).tolist()
+        targets = greedy_tokens(logits).tolist()
         kept = 0
         while kept < d and drafts[kept] == targets[kept]:
             kept += 1

@@ -50,6 +50,14 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax over the last dimension: the first index of its largest value, a NaN counted largest, as
+    ``argmax(dim=-1)`` gives it, through ``max(dim=-1)``, whose reduction runs several times faster on CPU. On the
+    Xeon with AMX (2 threads, torch 2.13), float32 rows of 151936 logits: 1 row 0.22 -> 0.08 ms, 8 rows 1.0 -> 0.44,
+    32 rows 6.8 -> 1.8 (in a decode step of 32 rows, ~78 ms, 6% of its time)."""
+    return logits.max(dim=-1).indices
+
+
 def mask_stop_tokens(logits: torch.Tensor, rows: list[int], stop_ids: list[frozenset[int]]) -> torch.Tensor:
     """``logits`` with ``stop_ids[i]`` set to ``-inf`` in row ``rows[i]`` (in place)."""
     row_index = [r for r, ids in zip(rows, stop_ids) for _ in ids]
@@ -358,10 +366,10 @@ class Sampler:
             self.structured.apply(processed, histories)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return processed.argmax(dim=-1), processed
+            return greedy_tokens(processed), processed
         sampled = draw_from(self.weights(processed, params), self.uniforms(params, generators, device))
         if any(greedy):
-            sampled = torch.where(upload(greedy, device), processed.argmax(dim=-1), sampled)
+            sampled = torch.where(upload(greedy, device), greedy_tokens(processed), sampled)
         return sampled, processed
 
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],
