@@ -464,6 +464,25 @@ def test_fused_rms_norms_match_reference(native_kernel_set, dtype, rows, hidden)
     torch.testing.assert_close(out, ref_out, **_CLOSE[dtype])
 
 
+def test_bf16_roundings_keep_denormals_and_nans(native_kernel_set):
+    """Every bf16 value the kernels write is rounded to nearest even as torch rounds it, denormals kept (AVX512-BF16's
+    one-instruction rounding flushes them to zero; vectors holding one round in software), NaN kept NaN: the
+    residual sum of add_rms_norm is that rounding alone."""
+    tiny = torch.finfo(torch.float32).tiny  # the smallest normal; below it, the denormals
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 64, generator=g) * 1e-3
+    x[0, :] = torch.linspace(-tiny, tiny, 64)  # a row of denormals (and a zero)
+    x[1, 5], x[2, 17], x[3, 40] = tiny / 3, float("nan"), -tiny * 0.999  # one in a vector of normal values
+    residual = torch.randn(4, 64, generator=g) * 1e-3
+    residual[0, :] = torch.linspace(tiny / 7, -tiny / 5, 64)
+    residual[1, 5], residual[3, 40] = -tiny / 5, tiny / 1024
+    x, residual, weight = x.bfloat16(), residual.bfloat16(), torch.ones(64, dtype=torch.bfloat16)
+    _, summed = cpu_kernels.add_rms_norm(x, residual, weight, 1e-5)
+    _, ref_summed = reference.add_rms_norm(x, residual, weight, 1e-5)
+    assert (ref_summed[0].float().abs() < tiny).all() and (ref_summed[0] != 0).sum() > 50
+    assert torch.equal(summed.view(torch.int16), ref_summed.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 2 * 48), (7, 2 * 13), (2, 3, 2 * 64), (100, 2 * 768)])
 def test_fused_silu_and_mul_matches_reference(native_kernel_set, dtype, shape):

@@ -55,10 +55,23 @@ INLINE __m512i bf16_bits(vf v) {
     return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40)));
 }
 
-INLINE void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits(v))); }
+/* v as 16 bf16 values, rounded as bf16_bits rounds. With AVX512-BF16 by one VCVTNEPS2BF16, which rounds alike but
+ * flushes denormals to zero: a vector with a lane whose exponent is zero (a denormal, or a zero) takes bf16_bits. The
+ * test is one VPTESTNMD: on the Xeon with AMX, SwiGLU of [32, 2 x 4864] bf16 values (two roundings a value), one
+ * core, took 101 us with bf16_bits, 71 with the instruction alone, 81 with it and this test, 94 with a three-step
+ * test for denormals alone (512-bit work runs on two ports there, and every step counts). */
+INLINE __m256i bf16_half(vf v) {
+#if defined(__AVX512BF16__)
+    if (!_mm512_testn_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32(0x7F800000)))
+        return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+    return _mm512_cvtepi32_epi16(bf16_bits(v));
+}
+
+INLINE void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, bf16_half(v)); }
 
 /* what bf16 makes of a float32 value */
-INLINE vf vf_round_bf16(vf v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+INLINE vf vf_round_bf16(vf v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_half(v)), 16)); }
 
 INLINE __mmask16 tail_mask(int64_t count) {
     return count >= 16 ? 0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
@@ -77,7 +90,7 @@ INLINE vf vf_load_n(const void *base, int64_t i, int64_t count, const int bf16) 
 INLINE void vf_store_n(void *base, int64_t i, vf v, int64_t count, const int bf16) {
     const __mmask16 m = tail_mask(count);
     if (bf16)
-        _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
+        _mm256_mask_storeu_epi16((uint16_t *)base + i, m, bf16_half(v));
     else
         _mm512_mask_storeu_ps((float *)base + i, m, v);
 }
