@@ -364,8 +364,8 @@ __attribute__((constructor)) static void read_l2_bytes(void) {
 
 /* Reductions a pass of `mc` rows takes at a time (K where it fits): the pass's packed rows of a chunk (float32)
  * and two chunks of weight tile (this one and the next, asked for ahead) within half of L2. A pass of 96 rows of the
- * down projection (K = 4864, 1.9 MB of packed rows) had every block read its rows from L3. Half rather than
- * amx.h's pass_bytes() (3/4), which the tile GEMMs' passes measured best: the Xeon with AMX, the down projection at 256 and
+ * down projection (K = 4864, 1.9 MB of packed rows) had every block read its rows from L3. Half rather than amx.h's
+ * pass_bytes() (3/4), which the tile GEMMs' passes measured best: the Xeon with AMX, the down projection at 256 and
  * 1024 rows, 3 chunks rather than 2, 0.96x the time (287 -> 299 GFLOP/s, bit for bit the same). A single block
  * (a decode step's rows) takes K whole: it reads its weight once, and chunks only cost it (1.05x at 12 rows). */
 static int64_t reductions_per_chunk(int64_t mc, int64_t k, const int wkind) {

@@ -71,7 +71,9 @@ INLINE __m256i bf16_half(vf v) {
 INLINE void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, bf16_half(v)); }
 
 /* what bf16 makes of a float32 value */
-INLINE vf vf_round_bf16(vf v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_half(v)), 16)); }
+INLINE vf vf_round_bf16(vf v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_half(v)), 16));
+}
 
 INLINE __mmask16 tail_mask(int64_t count) {
     return count >= 16 ? 0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
