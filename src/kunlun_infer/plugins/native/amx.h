@@ -124,14 +124,6 @@ static inline ahead_t amx_share(const void *next, int64_t bytes, int64_t rows_by
     return block_share((const char *)next, bytes / 64, blocks, blk);
 }
 
-/* One step's part of a block's ask, `per_step` lines into L2 (the lines spread over the block's steps). A macro over
- * the block's own variables: with an ahead_t passed to the block and an inline function over it, the same asks
- * (counted) left the bf16 GEMMs at 256 rows 0.97-0.99x the time of asking for nothing, against 0.90x, for a reason
- * the code GCC emitted did not show. */
-#define AMX_ASK(FROM, LINES, PER_STEP)                                                                        \
-    for (int64_t i_ = 0; i_ < (PER_STEP) && (LINES) > 0; i_++, (LINES)--, (FROM) += 64)                    \
-        _mm_prefetch((FROM), _MM_HINT_T1)
-
 /* one step of the reduction: tile loads of X at (row block, step) with row stride LDX bytes and of the weight's
  * step W (stride 128), then DOT(sum, x, w) for each block and half */
 #define AMX_STEP(DOT, X, LDX, W, TWO)                                                                          \

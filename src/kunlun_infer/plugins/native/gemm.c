@@ -178,13 +178,11 @@ INLINE void micro_kernel(const float *a, const void *w, const int wkind, int64_t
     const int64_t step = NR * (wkind == WEIGHT_BF16 ? 2 : 4);  /* bytes of weight per reduction index */
     /* reductions per pass: whole turns, a line or more; with AVX-512 two or more (see above) */
     const int line_turn = step * phases < 64 ? 64 / step : phases, turn = VLEN == 16 && line_turn < 2 ? 2 : line_turn;
-    /* the asks spread evenly: (i + 1) * lines / passes lines asked for by the end of pass i */
     const int64_t passes = k / turn;
     int64_t credit = 0;
     for (; q + turn <= k; q += turn) {
         if (ahead.from) {
-            for (credit += ahead.lines; credit >= passes; credit -= passes, ahead.from += 64)
-                _mm_prefetch(ahead.from, _MM_HINT_T1);
+            ASK_SPREAD(ahead.from, ahead.lines, passes, credit);
         } else if (wkind == WEIGHT_BF16 || rows > 2) {
             prefetch_span((const char *)w + q * step, turn * step);
         }

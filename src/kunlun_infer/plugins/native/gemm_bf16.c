@@ -108,9 +108,10 @@ static void amx_block(const uint16_t *pt, const uint16_t *x, int64_t k, const fl
                       int rows, __mmask16 mask0, __mmask16 mask1, const char *ahead, int64_t lines) {
     const int two = rows > 16;
     const int64_t ldx = k * (int64_t)sizeof(uint16_t), full = k / AMX_K * AMX_K;
-    const int64_t steps = full / AMX_K, per_step = steps > 0 ? (lines + steps - 1) / steps : 0;
+    const int64_t steps = full / AMX_K;
+    int64_t credit = 0;
     for (int64_t q = 0; q < full; q += AMX_K) {
-        AMX_ASK(ahead, lines, per_step);
+        ASK_SPREAD(ahead, lines, steps, credit);
         AMX_STEP(_tile_dpbf16ps, x + q, ldx, pt + q * TILE_N, two);
     }
     if (full < k) { /* the ragged end of K: zero-padded copies of its rows and of its pairs of the weight */

@@ -340,9 +340,10 @@ static void amx_block_int8(const int8_t *w, const int8_t *q, int64_t kp, int64_t
                            const float *sw, const float *bias, void *y, int64_t ldy, int64_t cols, const int ybf16,
                            int rows, const char *ahead, int64_t lines) {
     const int two = rows > 16;
-    const int64_t full = groups / 16 * 16, steps = full / 16, per_step = steps > 0 ? (lines + steps - 1) / steps : 0;
+    const int64_t full = groups / 16 * 16, steps = full / 16;
+    int64_t credit = 0;
     for (int64_t g = 0; g < full; g += 16) {
-        AMX_ASK(ahead, lines, per_step);
+        ASK_SPREAD(ahead, lines, steps, credit);
         AMX_STEP(_tile_dpbssd, q + g * 4, kp, w + g * NR * 4, two);
     }
     if (full < groups) { /* the ragged end of the weight tile: a zero-padded copy (q is padded already) */
