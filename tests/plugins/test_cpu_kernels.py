@@ -7,6 +7,7 @@ references, and each test that depends on the set asks which one was chosen.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import pytest
 import torch
@@ -289,6 +290,45 @@ def test_gemm_of_rows_past_one_pass_equals_the_rows_a_few_at_a_time(native_kerne
         exact = F.linear(x.double(), weight.double(), bias.double())
         bound = 8193 * 2.0 ** -24 * F.linear(x.double().abs(), weight.double().abs(), bias.double().abs())
         assert ((together.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("rows, in_features, order", [(224, 1000, "each tile"), (200, 8200, "across tiles")])
+def test_tile_gemms_taking_k_in_chunks_equal_whole_tiles_bit_for_bit(native_kernel_set, weights, rows, in_features,
+                                                                     order):
+    """On the AMX tiles a GEMM of 192 rows or more takes K in chunks of 512 bytes a row (amx.h's amx_plan), its
+    blocks' sums kept between chunks: each tile's chunks in turn where the pass's rows fit L2 over all of K (224
+    rows of 1000 features, the last chunk ragged), or every tile's first chunk before any tile's second where that
+    saves passes over the weight (200 rows of 8200: one pass, not four; three tiles, the last ragged, shared
+    unevenly between two threads). Either way the result equals the same rows six at a time (whole tiles) bit for
+    bit, on every kernel set, and is as close to the exact product as the output's rounding."""
+    lib = cpu_native.selection().library
+    reduction = in_features * 2 if weights == "bf16" else (in_features + 3) // 4 * 4
+    xrow = reduction if weights == "bf16" else (in_features + 63) // 64 * 64
+    if native_kernel_set == "amx" and lib.kunlun_amx_tiles():
+        for team in (1, 2):
+            plan = (ctypes.c_int64 * 4)()
+            lib.kunlun_amx_gemm_plan(rows, 72, reduction, xrow, team, plan)
+            chunk, pass_rows, group = plan[0], plan[1], plan[2]
+            assert chunk == 512 and pass_rows == rows, (team, list(plan))
+            assert (group == 1) == (order == "each tile") and group <= 3, (team, list(plan))
+    g = torch.Generator().manual_seed(13)
+    weight, bias = torch.randn(72, in_features, generator=g), torch.randn(72, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    if weights == "bf16":
+        weight = weight.to(torch.bfloat16)
+        packed, linear = cpu_gemm.pack(weight), cpu_gemm.linear
+    else:
+        q, scale = reference.quantize_int8(weight)
+        packed, linear = cpu_kernels.pack_int8_linear_weight(q, scale), cpu_kernels.int8_linear
+        weight = q * scale[:, None]
+    together = linear(x, packed, bias)
+    assert torch.equal(together, torch.cat([linear(x[i:i + 6], packed, bias) for i in range(0, rows, 6)]))
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    if weights == "bf16":  # the output's rounding
+        assert ((together.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 1e-3).all()
+    else:  # and the rows' quantization to int8
+        assert (together.double() - exact).norm() < 0.02 * exact.norm()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

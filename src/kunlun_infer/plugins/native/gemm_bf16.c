@@ -75,8 +75,9 @@ static inline __attribute__((always_inline)) void tile_rows(
  * [32][2] bf16, is two rows of an AMX B tile side by side (outputs 0-15, then 16-31), so B tiles load
  * straight from the packing with a 128-byte stride, and A tiles from X with its row stride. Each thread
  * takes its share of the weight tiles, as the vector path does, and for each tile every block of up to 32
- * rows: four accumulator tiles (2 row blocks x 2 output halves) over the whole of K, 32 reductions a step;
- * a ragged end of K goes through zero-padded copies. Sums are float32 as on the vector path; the order of
+ * rows: four accumulator tiles (2 row blocks x 2 output halves) over the whole of K, or over chunks of it
+ * with the sums kept between them (amx.h's amx_walk), 32 reductions a step; a ragged end of K goes
+ * through zero-padded copies. Sums are float32 as on the vector path; the order of
  * the additions within a step is the hardware's, so results may differ from it in the last bit (a row's
  * result does not depend on the other rows of the call). Measured on a Xeon with AMX (2 threads, the 0.5B
  * model's layer GEMMs in bf16, against the VDPBF16PS path of this file and oneDNN's tile kernels): 1 row
@@ -102,19 +103,30 @@ int kunlun_amx_tiles(void) {
     return state > 0;
 }
 
-/* rows r0.. of Y for weight tile pt (up to 32 rows, `rows` of them), over the whole of K, asking for `lines` lines
- * from `ahead` (amx_share) */
-static void amx_block(const uint16_t *pt, const uint16_t *x, int64_t k, const float *bias, uint16_t *y, int64_t ldy,
-                      int rows, __mmask16 mask0, __mmask16 mask1, const char *ahead, int64_t lines) {
+/* the operands of a tile GEMM, for amx_walk's blocks */
+typedef struct {
+    const uint16_t *p, *x;
+    const float *bias;
+    uint16_t *y;
+    int64_t n, k;
+} amx_gemm_t;
+
+/* amx_walk's block: reductions [b0 / 2, (b0 + bytes) / 2) of rows r0.. of Y for weight tile t */
+static inline __attribute__((always_inline)) void amx_block(const void *gemm, int64_t t, int64_t r0, int rows,
+                                                            int64_t b0, int64_t bytes, void *carry,
+                                                            const char *ahead, int64_t lines) {
+    const amx_gemm_t *g = (const amx_gemm_t *)gemm;
+    const int64_t k = g->k, k0 = b0 / 2, end = (b0 + bytes) / 2, ldx = k * (int64_t)sizeof(uint16_t);
+    const int64_t full = end == k ? k / AMX_K * AMX_K : end, steps = (full - k0) / AMX_K;
+    const uint16_t *pt = g->p + t * k * TILE_N, *x = g->x + r0 * k;
     const int two = rows > 16;
-    const int64_t ldx = k * (int64_t)sizeof(uint16_t), full = k / AMX_K * AMX_K;
-    const int64_t steps = full / AMX_K;
+    if (k0 > 0) amx_load_carry(carry, rows);
     int64_t credit = 0;
-    for (int64_t q = 0; q < full; q += AMX_K) {
+    for (int64_t q = k0; q < full; q += AMX_K) {
         ASK_SPREAD(ahead, lines, steps, credit);
         AMX_STEP(_tile_dpbf16ps, x + q, ldx, pt + q * TILE_N, two);
     }
-    if (full < k) { /* the ragged end of K: zero-padded copies of its rows and of its pairs of the weight */
+    if (full < end) { /* the ragged end of K: zero-padded copies of its rows and of its pairs of the weight */
         const int64_t left = k - full;
         uint16_t xs[32][AMX_K] __attribute__((aligned(64)));
         uint16_t ws[AMX_K / 2][2 * TILE_N] __attribute__((aligned(64)));
@@ -126,55 +138,58 @@ static void amx_block(const uint16_t *pt, const uint16_t *x, int64_t k, const fl
         AMX_MEMORY_BARRIER();
         AMX_STEP(_tile_dpbf16ps, xs, AMX_K * (int64_t)sizeof(uint16_t), ws, two);
     }
+    if (end < k) {
+        amx_store_sums(carry, rows);
+        return;
+    }
     float sums[32][32] __attribute__((aligned(64)));
     amx_store_sums(sums, rows);
-    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
+    const int64_t col = t * TILE_N;
+    const __mmask16 mask0 = tail_mask(g->n - col), mask1 = tail_mask(g->n - col - 16);
+    const float *bias = g->bias ? g->bias + col : NULL;
+    const __m512 b0s = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
+    const __m512 b1s = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
+    uint16_t *y = g->y + r0 * g->n + col;
     for (int r = 0; r < rows; r++) {
-        const __m512 lo = _mm512_add_ps(_mm512_load_ps(sums[r]), b0);
-        const __m512 hi = _mm512_add_ps(_mm512_load_ps(sums[r] + 16), b1);
-        _mm256_mask_storeu_epi16(y + r * ldy, mask0, (__m256i)_mm512_cvtneps_pbh(lo));
-        _mm256_mask_storeu_epi16(y + r * ldy + 16, mask1, (__m256i)_mm512_cvtneps_pbh(hi));
+        const __m512 lo = _mm512_add_ps(_mm512_load_ps(sums[r]), b0s);
+        const __m512 hi = _mm512_add_ps(_mm512_load_ps(sums[r] + 16), b1s);
+        _mm256_mask_storeu_epi16(y + r * g->n, mask0, (__m256i)_mm512_cvtneps_pbh(lo));
+        _mm256_mask_storeu_epi16(y + r * g->n + 16, mask1, (__m256i)_mm512_cvtneps_pbh(hi));
     }
 }
 
-static void amx_gemm(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y, int64_t m, int64_t n,
-                     int64_t k) {
-    const int64_t tiles = (n + TILE_N - 1) / TILE_N, pass = amx_pass_rows(m, k * (int64_t)sizeof(uint16_t));
+/* How `team` threads walk a tile GEMM of M rows and N outputs whose reduction takes `reduction` bytes a row, the
+ * rows of X `xrow` bytes (bf16: 2 K both; int8: K in groups of 4, and K padded to 64): plan[0..3] = amx_plan's
+ * chunk, pass, group and room. For tests and benchmarks. */
+void kunlun_amx_gemm_plan(int64_t m, int64_t n, int64_t reduction, int64_t xrow, int64_t team, int64_t *plan) {
+    const amx_plan_t p = amx_plan(m, (n + TILE_N - 1) / TILE_N, team, reduction, xrow);
+    plan[0] = p.chunk, plan[1] = p.pass, plan[2] = p.group, plan[3] = p.room;
+}
+
+/* Returns 0, or -1 (nothing written) without memory for the sums between chunks of K */
+static int amx_gemm(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y, int64_t m, int64_t n,
+                    int64_t k) {
+    const amx_gemm_t gemm = {p, x, bias, y, n, k};
+    const int64_t tiles = (n + TILE_N - 1) / TILE_N, reduction = k * (int64_t)sizeof(uint16_t);
+    int failed = 0, status = 0;
     #pragma omp parallel
     {
-        int configured = -1;
-        for (int64_t p0 = 0; p0 < m; p0 += pass) {
-            const int64_t p1 = m - p0 < pass ? m : p0 + pass;
-            #pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < tiles; t++) {
-                const __mmask16 mask0 = tail_mask(n - t * TILE_N), mask1 = tail_mask(n - t * TILE_N - 16);
-                const uint16_t *pt = p + t * k * TILE_N, *next = t + 1 < tiles ? pt + k * TILE_N : NULL;
-                const float *bt = bias ? bias + t * TILE_N : NULL;
-                for (int64_t r0 = p0; r0 < p1; r0 += 32) {
-                    const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
-                    const ahead_t ahead = amx_share(next, k * TILE_N * (int64_t)sizeof(uint16_t),
-                                                    (p1 - p0) * k * (int64_t)sizeof(uint16_t), (p1 - p0 + 31) / 32,
-                                                    (r0 - p0) / 32);
-                    amx_start_block(rows, &configured);
-                    amx_block(pt, x + r0 * k, k, bt, y + r0 * n + t * TILE_N, n, rows, mask0, mask1, ahead.from,
-                              ahead.lines);
-                }
-            }
+        if (amx_walk(m, tiles, reduction, reduction, (const char *)p, amx_block, &gemm, &failed) != 0) {
+            #pragma omp atomic write
+            status = -1;
         }
         _tile_release();
     }
+    return status;
 }
 #endif
 
-/* Y [M, N] bf16 = X [M, K] bf16 @ W^T + bias (float32 [N] or NULL), W packed by kunlun_pack_bf16. Returns 0. */
+/* Y [M, N] bf16 = X [M, K] bf16 @ W^T + bias (float32 [N] or NULL), W packed by kunlun_pack_bf16. Returns 0, or -1
+ * (nothing written) without memory. */
 int kunlun_gemm_bf16(const uint16_t *p, const uint16_t *x, const float *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k) {
 #if defined(__AMX_BF16__)
-    if (kunlun_amx_tiles()) {
-        amx_gemm(p, x, bias, y, m, n, k);
-        return 0;
-    }
+    if (kunlun_amx_tiles()) return amx_gemm(p, x, bias, y, m, n, k);
 #endif
     const int64_t tiles = (n + TILE_N - 1) / TILE_N;
     const int once = reads_once(m, MAX_ROWS);

@@ -334,37 +334,55 @@ static void amx_quantize_rows(const void *x, const int xbf16, int64_t m, int64_t
     }
 }
 
-/* rows of Y for weight tile w (up to 32 rows, `rows` of them) from their quantized rows q (stride kp), asking for
- * `lines` lines from `ahead` (amx_share) */
-static void amx_block_int8(const int8_t *w, const int8_t *q, int64_t kp, int64_t groups, const float *sx,
-                           const float *sw, const float *bias, void *y, int64_t ldy, int64_t cols, const int ybf16,
-                           int rows, const char *ahead, int64_t lines) {
+/* the operands of a tile GEMM, for amx_walk's blocks: the rows quantized (q, stride kp; scales sx) */
+typedef struct {
+    const int8_t *p, *q;
+    const float *sx, *scales, *bias;
+    void *y;
+    int64_t n, kp, groups;
+    int ybf16;
+} amx_gemm_int8_t;
+
+/* amx_walk's block: groups [b0 / 4, (b0 + bytes) / 4) of rows r0.. of Y for weight tile t */
+static inline __attribute__((always_inline)) void amx_block_int8(const void *gemm, int64_t t, int64_t r0, int rows,
+                                                                 int64_t b0, int64_t bytes, void *carry,
+                                                                 const char *ahead, int64_t lines) {
+    const amx_gemm_int8_t *g = (const amx_gemm_int8_t *)gemm;
+    const int64_t groups = g->groups, kp = g->kp, g0 = b0 / 4, end = (b0 + bytes) / 4;
+    const int64_t full = end == groups ? groups / 16 * 16 : end, steps = (full - g0) / 16;
+    const int8_t *w = g->p + t * groups * NR * 4, *q = g->q + r0 * kp;
     const int two = rows > 16;
-    const int64_t full = groups / 16 * 16, steps = full / 16;
+    if (g0 > 0) amx_load_carry(carry, rows);
     int64_t credit = 0;
-    for (int64_t g = 0; g < full; g += 16) {
+    for (int64_t i = g0; i < full; i += 16) {
         ASK_SPREAD(ahead, lines, steps, credit);
-        AMX_STEP(_tile_dpbssd, q + g * 4, kp, w + g * NR * 4, two);
+        AMX_STEP(_tile_dpbssd, q + i * 4, kp, w + i * NR * 4, two);
     }
-    if (full < groups) { /* the ragged end of the weight tile: a zero-padded copy (q is padded already) */
+    if (full < end) { /* the ragged end of the weight tile: a zero-padded copy (q is padded already) */
         int8_t ws[16][NR * 4] __attribute__((aligned(64)));
         memset(ws, 0, sizeof ws);
         memcpy(ws, w + full * NR * 4, (size_t)((groups - full) * NR * 4));
         AMX_MEMORY_BARRIER();
         AMX_STEP(_tile_dpbssd, q + full * 4, kp, ws, two);
     }
+    if (end < groups) {
+        amx_store_sums(carry, rows);
+        return;
+    }
     int32_t sums[32][32] __attribute__((aligned(64)));
     amx_store_sums(sums, rows);
-    const vf sw0 = vf_loadu(sw), sw1 = vf_loadu(sw + VLEN);
+    const int64_t col = t * NR, cols = g->n - col < NR ? g->n - col : NR;
+    const vf sw0 = vf_loadu(g->scales + col), sw1 = vf_loadu(g->scales + col + VLEN);
     for (int r = 0; r < rows; r++)
-        store_row(vi_loadu32(sums[r]), vi_loadu32(sums[r] + VLEN), sx[r], sw0, sw1, bias,
-                  (char *)y + r * ldy * (ybf16 ? 2 : 4), cols, ybf16);
+        store_row(vi_loadu32(sums[r]), vi_loadu32(sums[r] + VLEN), g->sx[r0 + r], sw0, sw1,
+                  g->bias ? g->bias + col : NULL, (char *)g->y + ((r0 + r) * g->n + col) * (g->ybf16 ? 2 : 4), cols,
+                  g->ybf16);
 }
 
 static int amx_gemm_int8(const int8_t *p, const void *x, const int xbf16, const float *bias, void *y, int64_t m,
                          int64_t n, int64_t k) {
     const int64_t tiles = (n + NR - 1) / NR, groups = (k + 3) / 4;
-    const int64_t kp = (groups * 4 + AMX_K8 - 1) / AMX_K8 * AMX_K8, pass = amx_pass_rows(m, kp);
+    const int64_t kp = (groups * 4 + AMX_K8 - 1) / AMX_K8 * AMX_K8;
     const float *scales = (const float *)(p + tiles * NR * groups * 4);
     int8_t *q = (int8_t *)malloc((size_t)(m * kp));
     float *sx = (float *)malloc(sizeof(float) * (size_t)m);
@@ -373,31 +391,20 @@ static int amx_gemm_int8(const int8_t *p, const void *x, const int xbf16, const 
         free(sx);
         return -1;
     }
+    const amx_gemm_int8_t gemm = {p, q, sx, scales, bias, y, n, kp, groups, xbf16};
+    int failed = 0, status = 0;
     #pragma omp parallel
     {
         amx_quantize_rows(x, xbf16, m, k, kp, q, sx); /* a wait */
-        int configured = -1;
-        for (int64_t p0 = 0; p0 < m; p0 += pass) {
-            const int64_t p1 = m - p0 < pass ? m : p0 + pass;
-            #pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t col = t * NR, cols = n - col < NR ? n - col : NR, bytes = groups * NR * 4;
-                const int8_t *w = p + t * bytes, *next = t + 1 < tiles ? w + bytes : NULL;
-                for (int64_t r0 = p0; r0 < p1; r0 += 32) {
-                    const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
-                    const ahead_t ahead = amx_share(next, bytes, (p1 - p0) * kp, (p1 - p0 + 31) / 32, (r0 - p0) / 32);
-                    amx_start_block(rows, &configured);
-                    amx_block_int8(w, q + r0 * kp, kp, groups, sx + r0, scales + col, bias ? bias + col : NULL,
-                                   (char *)y + (r0 * n + col) * (xbf16 ? 2 : 4), n, cols, xbf16, rows, ahead.from,
-                                   ahead.lines);
-                }
-            }
+        if (amx_walk(m, tiles, groups * 4, kp, (const char *)p, amx_block_int8, &gemm, &failed) != 0) {
+            #pragma omp atomic write
+            status = -1;
         }
         _tile_release();
     }
     free(q);
     free(sx);
-    return 0;
+    return status;
 }
 #endif
 
