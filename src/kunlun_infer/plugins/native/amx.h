@@ -112,7 +112,8 @@ static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
 /* Blocks of a pass from which its blocks ask for the next weight tile: a weight tile's step is 2 KiB (32 lines), so a
  * block after the first asks for 32 / (blocks - 1) lines a step, at most 8 from 5 blocks. Each ask holds one of the
  * core's few first-level miss buffers until memory answers, which the tile loads from L2 need too; with fewer blocks
- * the weight is better left to the hardware prefetchers (int8 at 96 rows, 16 lines a step: 1.13x the time). */
+ * (two to four) the weight is better left to the hardware prefetchers (int8 at 96 rows, 16 lines a step: 1.13x the
+ * time); one block of more than 16 rows asks for it all (amx_share). */
 #define AMX_ASK_BLOCKS 5
 
 /* What block `blk` of a pass's `blocks` (`rows_bytes` of rows) asks for of the next weight tile (`next`, `bytes` long;
@@ -123,9 +124,15 @@ static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
  * On the Xeon with AMX (2 threads, the 0.5B model's layer GEMMs, 7 turns against asking for nothing, with an A/A
  * control beside): bf16 0.91x the time at 160 rows, 0.90x at 256, 0.94x at 1024 (A/A 0.99-1.01), 0.93x at 2048 (A/A
  * 0.95); int8 0.98x at 160-256 (A/A 0.99-1.01), 0.94x at 1024 (0.96), 0.96x at 2048 (0.98); 64 rows (two blocks) as
- * before. A bf16 prefill in the engine 1.05x the tokens a second at 256 and 1024 tokens. */
-static inline ahead_t amx_share(const void *next, int64_t bytes, int64_t rows_bytes, int64_t blocks, int64_t blk) {
-    if (next == NULL || blocks < AMX_ASK_BLOCKS || rows_bytes + 2 * bytes > kunlun_l2_bytes) return (ahead_t){NULL, 0};
+ * before. A bf16 prefill in the engine 1.05x the tokens a second at 256 and 1024 tokens.
+ * A pass of one block of 17-32 rows (a decode step's, both its row tiles) asks for the whole next tile itself: 24-32
+ * rows 0.90-0.93x the time in bf16, 0.88-0.90x in int8 (A/A 0.98-1.03); at 1-16 rows (one row tile) 1.03-1.04x in
+ * bf16 against an A/A of 1.00-1.02, so those ask for nothing. */
+static inline ahead_t amx_share(const void *next, int64_t bytes, int64_t rows_bytes, int64_t blocks, int64_t blk,
+                                int rows) {
+    if (next == NULL || rows_bytes + 2 * bytes > kunlun_l2_bytes) return (ahead_t){NULL, 0};
+    if (blocks == 1 && rows > 16) return (ahead_t){(const char *)next, bytes / 64};
+    if (blocks < AMX_ASK_BLOCKS) return (ahead_t){NULL, 0};
     return block_share((const char *)next, bytes / 64, blocks, blk);
 }
 
@@ -251,7 +258,8 @@ static inline __attribute__((always_inline)) int amx_walk(int64_t m, int64_t til
                     }
                     for (int64_t r0 = p0; r0 < p1; r0 += 32) {
                         const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
-                        const ahead_t ahead = amx_share(next, next_bytes * 32, rows_bytes, blocks, (r0 - p0) / 32);
+                        const ahead_t ahead =
+                            amx_share(next, next_bytes * 32, rows_bytes, blocks, (r0 - p0) / 32, rows);
                         amx_start_block(rows, &configured);
                         block(gemm, t, r0, rows, b0, bytes,
                               carry ? (char *)carry + ((t - g0) * blocks + (r0 - p0) / 32) * 4096 : NULL, ahead.from,
