@@ -308,7 +308,7 @@ def test_tile_gemms_taking_k_in_chunks_equal_whole_tiles_bit_for_bit(native_kern
     if native_kernel_set == "amx" and lib.kunlun_amx_tiles():
         for team in (1, 2):
             plan = (ctypes.c_int64 * 4)()
-            lib.kunlun_amx_gemm_plan(rows, 72, reduction, xrow, team, plan)
+            lib.kunlun_amx_gemm_plan(*map(ctypes.c_int64, (rows, 72, reduction, xrow, team)), plan)
             chunk, pass_rows, group = plan[0], plan[1], plan[2]
             assert chunk == 512 and pass_rows == rows, (team, list(plan))
             assert (group == 1) == (order == "each tile") and group <= 3, (team, list(plan))

@@ -116,11 +116,11 @@ static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
  * time); one block of more than 16 rows asks for it all (amx_share). */
 #define AMX_ASK_BLOCKS 5
 
-/* What block `blk` of a pass's `blocks` (`rows_bytes` of rows) asks for of the next weight tile (`next`, `bytes` long;
- * NULL after the last tile): its block_share (simd.h). The weight then streams in while the tiles multiply, rather
- * than while the first block of each tile waits on it. Nothing where the pass's rows and two tiles would not fit L2:
- * the next tile would push out rows the blocks still read (the down projection, K = 4864, in passes of 160 rows:
- * 1.04-1.06x the time).
+/* What block `blk` (`rows` rows) of a pass's `blocks` (`rows_bytes` of rows) asks for of the next weight tile (`next`,
+ * `bytes` long; NULL after the last tile): its block_share (simd.h). The weight then streams in while the tiles
+ * multiply, rather than while the first block of each tile waits on it. Nothing where the pass's rows and two tiles
+ * would not fit L2: the next tile would push out rows the blocks still read (the down projection, K = 4864, in passes
+ * of 160 rows: 1.04-1.06x the time).
  * On the Xeon with AMX (2 threads, the 0.5B model's layer GEMMs, 7 turns against asking for nothing, with an A/A
  * control beside): bf16 0.91x the time at 160 rows, 0.90x at 256, 0.94x at 1024 (A/A 0.99-1.01), 0.93x at 2048 (A/A
  * 0.95); int8 0.98x at 160-256 (A/A 0.99-1.01), 0.94x at 1024 (0.96), 0.96x at 2048 (0.98); 64 rows (two blocks) as
@@ -139,7 +139,8 @@ static inline ahead_t amx_share(const void *next, int64_t bytes, int64_t rows_by
 /* Rows a pass where passes take at most `most` rows (a multiple of 32): as even as blocks of 32 rows let them be, so
  * that no pass is left with a few blocks (1024 rows in passes of 864 had left 160). */
 static inline int64_t amx_even_passes(int64_t m, int64_t most) {
-    if (most <= 0 || m <= most) return most <= 0 ? 0 : m;
+    if (most <= 0) return 0;
+    if (m <= most) return m;
     const int64_t passes = (m + most - 1) / most;
     return ((m + passes - 1) / passes + 31) / 32 * 32;
 }
