@@ -73,12 +73,14 @@ static inline void amx_start_block(int rows, int *configured) {
     }
 }
 
-/* the sum tiles of a full layout (32 rows) from sums [32][32] (32-bit values), to add to them */
-static inline void amx_load_sums(const void *sums) {
+/* the sum tiles of a block of `rows` rows from sums [32][32] (32-bit values), to add to them */
+static inline void amx_load_sums(const void *sums, int rows) {
     _tile_loadd(0, sums, 128);
     _tile_loadd(1, (const char *)sums + 64, 128);
-    _tile_loadd(2, (const char *)sums + 16 * 128, 128);
-    _tile_loadd(3, (const char *)sums + 16 * 128 + 64, 128);
+    if (rows > 16) {
+        _tile_loadd(2, (const char *)sums + 16 * 128, 128);
+        _tile_loadd(3, (const char *)sums + 16 * 128 + 64, 128);
+    }
 }
 
 /* the sum tiles of a block of `rows` rows into sums [32][32] (32-bit values) */
@@ -161,16 +163,6 @@ static inline int64_t amx_even_passes(int64_t m, int64_t most) {
 typedef void (*amx_block_fn)(const void *gemm, int64_t t, int64_t r0, int rows, int64_t b0, int64_t bytes,
                              void *carry, const char *ahead, int64_t lines);
 
-/* the sum tiles of a block of `rows` rows from carry [32][32] (32-bit values), to add to them */
-static inline void amx_load_carry(const void *carry, int rows) {
-    _tile_loadd(0, carry, 128);
-    _tile_loadd(1, (const char *)carry + 64, 128);
-    if (rows > 16) {
-        _tile_loadd(2, (const char *)carry + 16 * 128, 128);
-        _tile_loadd(3, (const char *)carry + 16 * 128 + 64, 128);
-    }
-}
-
 /* How a thread of `team` walks a tile GEMM (amx_walk, below): bytes of the reduction a chunk (all of it: whole tiles),
  * rows a pass, tiles that take a chunk in turn before the next chunk (1: each tile's chunks in turn), and bytes a
  * row of the pass keeps in L2 while the pass multiplies (amx_share). */
@@ -242,21 +234,9 @@ static inline __attribute__((always_inline)) int amx_walk(int64_t m, int64_t til
             for (int64_t b0 = 0; b0 < reduction; b0 += chunk) {
                 const int64_t bytes = reduction - b0 < chunk ? reduction - b0 : chunk;
                 for (int64_t t = g0; t < g1; t++) {
-                    /* what the thread multiplies next: the group's next tile at this chunk, else its first tile's
-                     * next chunk, else the next group's first chunk, else (a pass to come) the first tile's */
-                    const char *next = NULL;
-                    int64_t next_bytes = chunk;
-                    if (t + 1 < g1) {
-                        next = weight + (t + 1) * tile_bytes + b0 * 32;
-                        next_bytes = bytes;
-                    } else if (b0 + bytes < reduction) {
-                        next = weight + g0 * tile_bytes + (b0 + bytes) * 32;
-                        next_bytes = reduction - b0 - bytes < chunk ? reduction - b0 - bytes : chunk;
-                    } else if (g1 < last) {
-                        next = weight + g1 * tile_bytes;
-                    } else if (p1 < m) {
-                        next = weight + first * tile_bytes;
-                    }
+                    int64_t next_bytes;
+                    const char *next = next_chunk(weight, tile_bytes, 32, t, g0, g1, first, last, b0, bytes,
+                                                  reduction, chunk, p1 < m, &next_bytes);
                     for (int64_t r0 = p0; r0 < p1; r0 += 32) {
                         const int rows = p1 - r0 < 32 ? (int)(p1 - r0) : 32;
                         const ahead_t ahead =

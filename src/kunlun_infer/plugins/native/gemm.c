@@ -368,7 +368,7 @@ __attribute__((constructor)) static void read_l2_bytes(void) {
  * (a decode step's rows) takes K whole: it reads its weight once, and chunks only cost it (1.05x at 12 rows). */
 static int64_t reductions_per_chunk(int64_t mc, int64_t k, const int wkind) {
     if (!STREAMS_AHEAD(wkind) || mc <= MR) return k;
-    const int64_t welem = wkind == WEIGHT_BF16 ? 2 : 4, per_reduction = mc * (int64_t)sizeof(float) + 2 * NR * welem;
+    const int64_t per_reduction = (mc + 2 * NR) * (int64_t)sizeof(float);  /* float32 rows and weight */
     const int64_t budget = kunlun_l2_bytes / 2, chunks = (k * per_reduction + budget - 1) / budget;
     return chunks <= 1 ? k : ((k + chunks - 1) / chunks + 15) / 16 * 16;
 }
@@ -436,19 +436,9 @@ INLINE void gemm_share(const void *p, const int wkind, const void *x, const int 
             const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
             for (int64_t t = first; t < last; t++) {
                 const int64_t col = t * NR, cols = n - col < NR ? n - col : NR;
-                /* what this thread multiplies next: the next tile's chunk, else its first tile's next chunk, else
-                 * (another pass to come) its first tile's first chunk */
-                const char *next = NULL;
-                int64_t next_kc = kc;
-                if (t + 1 < last) {
-                    next = (const char *)p + (t + 1) * tile_bytes + k0 * NR * welem;
-                } else if (k0 + kc < k) {
-                    next = (const char *)p + first * tile_bytes + (k0 + kc) * NR * welem;
-                    next_kc = k - k0 - kc < chunk ? k - k0 - kc : chunk;
-                } else if (m0 + MC < m) {
-                    next = (const char *)p + first * tile_bytes;
-                    next_kc = chunk;
-                }
+                int64_t next_kc;  /* all the thread's tiles take a chunk in turn: one group */
+                const char *next = next_chunk((const char *)p, tile_bytes, NR * welem, t, first, last, first, last,
+                                              k0, kc, k, chunk, m0 + MC < m, &next_kc);
                 tile_chunk(packed, blocks, mc, (const char *)p + t * tile_bytes + k0 * NR * welem, wkind, k, k0, kc,
                            STREAMS_AHEAD(wkind) ? next : NULL, next_kc * NR * welem / 64, bias ? bias + col : NULL,
                            (char *)yp + col * (xbf16 ? 2 : 4), n, cols, xbf16);

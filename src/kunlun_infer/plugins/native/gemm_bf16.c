@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void amx_block(const void *gemm, in
     const int64_t full = end == k ? k / AMX_K * AMX_K : end, steps = (full - k0) / AMX_K;
     const uint16_t *pt = g->p + t * k * TILE_N, *x = g->x + r0 * k;
     const int two = rows > 16;
-    if (k0 > 0) amx_load_carry(carry, rows);
+    if (k0 > 0) amx_load_sums(carry, rows);
     int64_t credit = 0;
     for (int64_t q = k0; q < full; q += AMX_K) {
         ASK_SPREAD(ahead, lines, steps, credit);

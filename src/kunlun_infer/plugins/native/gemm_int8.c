@@ -352,7 +352,7 @@ static inline __attribute__((always_inline)) void amx_block_int8(const void *gem
     const int64_t full = end == groups ? groups / 16 * 16 : end, steps = (full - g0) / 16;
     const int8_t *w = g->p + t * groups * NR * 4, *q = g->q + r0 * kp;
     const int two = rows > 16;
-    if (g0 > 0) amx_load_carry(carry, rows);
+    if (g0 > 0) amx_load_sums(carry, rows);
     int64_t credit = 0;
     for (int64_t i = g0; i < full; i += 16) {
         ASK_SPREAD(ahead, lines, steps, credit);

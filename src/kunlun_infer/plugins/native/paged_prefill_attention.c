@@ -432,7 +432,7 @@ INLINE void amx_scores(const uint16_t *kb, const uint32_t *qt2, int64_t d, float
  * TILE_KEYS / 2 apart; pp [pairs][NR]; ot at feature c, rows NR apart */
 INLINE void amx_values(const uint32_t *vt, const uint32_t *pp, int64_t pairs, float *ot) {
     const int64_t ldt = TILE_KEYS / 2 * 4;
-    amx_load_sums(ot);
+    amx_load_sums(ot, 32);
     for (int64_t j = 0; j < pairs; j += 16)
         AMX_STEP(_tile_dpbf16ps, vt + j, ldt, pp + j * NR, 1);
     amx_store_sums(ot, 32);

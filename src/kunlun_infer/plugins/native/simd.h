@@ -289,6 +289,28 @@ INLINE ahead_t block_share(const char *next, int64_t lines, int64_t blocks, int6
     return ahead;
 }
 
+/* What a thread multiplies after reductions [k0, k0 + kc) of weight tile t, its tiles [first, last) taking K `chunk`
+ * reductions at a time in groups [g0, g1) (each chunk of every tile of a group before the group's next chunk): the
+ * group's next tile at this chunk, else the group's first tile's next chunk, else the next group's first chunk, else
+ * (with `more` passes of rows to come) the first tile's first chunk; NULL when nothing is left. Tiles lie `tile_bytes`
+ * apart from `weight`, a reduction of a tile `step` bytes; *count gets the reductions of what comes next. Shared by
+ * the float32 GEMMs (gemm.c, one group of all the thread's tiles) and the tile GEMMs (amx.h's amx_walk). */
+INLINE const char *next_chunk(const char *weight, int64_t tile_bytes, int64_t step, int64_t t, int64_t g0,
+                              int64_t g1, int64_t first, int64_t last, int64_t k0, int64_t kc, int64_t k,
+                              int64_t chunk, const int more, int64_t *count) {
+    *count = chunk;
+    if (t + 1 < g1) {
+        *count = kc;
+        return weight + (t + 1) * tile_bytes + k0 * step;
+    }
+    if (k0 + kc < k) {
+        *count = k - k0 - kc < chunk ? k - k0 - kc : chunk;
+        return weight + g0 * tile_bytes + (k0 + kc) * step;
+    }
+    if (g1 < last) return weight + g1 * tile_bytes;
+    return more ? weight + first * tile_bytes : NULL;
+}
+
 /* One pass's part of a block's ask for `LINES` lines from `FROM`, into L2, spread evenly over the block's `PASSES`
  * passes (CREDIT, 0 before the first): by the end of pass i, (i + 1) * LINES / PASSES of them, one every few passes
  * where they are fewer than the passes. Shared by the float32 GEMMs (micro_kernel) and the tile GEMMs. A macro over
