@@ -120,10 +120,6 @@ INLINE void values_tile_bf16(const uint32_t *pp, int64_t ldp, const uint32_t *vp
     }
 }
 
-/* two bf16 values as one pair: lo in the low half */
-INLINE __m512i bf16_pairs(__m256i lo, __m256i hi) {
-    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-}
 #endif
 
 /* the thread's scratch for items of up to `lanes` query lanes (a multiple of NR) and head size d */
@@ -371,31 +367,6 @@ _Static_assert(NR * sizeof(float) == 128, "a lane tile's row of floats is a row 
  * 0.85-1.00x at 256-512 (three runs in turns on the Xeon with AMX).
  */
 
-/* r[i] = the 32-bit elements i of r[0 .. 16): a 16 x 16 transpose in three rounds of shuffles */
-INLINE void transpose16_epi32(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* r[i + k], lane L: element 4L + k of rows i .. i + 4 */
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int k = 0; k < 4; k++) { /* the 4 x 4 lanes of r[k], r[4 + k], r[8 + k], r[12 + k] transposed */
-        const __m512i x0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), x1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xee);
-        const __m512i y0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
-        const __m512i y1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xee);
-        t[k] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-        t[4 + k] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
-        t[8 + k] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-        t[12 + k] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 /* the bf16 values of rows [t0, t0 + n) of one head as V^T, vt [d][TILE_KEYS / 2] 32-bit: keys side by side, so each
  * element is one feature's values of keys 2j and 2j + 1; keys n .. padded (a multiple of 32) zero */
 static void gather_values_t(const uint16_t *cache, const int32_t *table, int64_t t0, int64_t n, int64_t padded,
@@ -438,30 +409,10 @@ INLINE void amx_values(const uint32_t *vt, const uint32_t *pp, int64_t pairs, fl
     amx_store_sums(ot, 32);
 }
 
-/* 2^y within 2.9e-6 relative for y >= -126 (2^-126 below), exact at integers (an unchanged max rescales by 1): 9
- * instructions where vf_exp takes 17, for probabilities rounded to bf16 (1 + f (c1 + ...), fitted to 2^f, |f| <= 1/2,
- * weighted to its largest relative error) */
-INLINE __m512 pow2_probability(__m512 y) {
-    y = _mm512_max_ps(y, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009582853f), f, _mm512_set1_ps(0.055906426f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69312418f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* 2^(x * scale - top) where the key (position k) is seen by the lane (position qpos: k <= qpos), else 0 */
 INLINE __m512 seen_exp(__m512 x, __m512 scale, __m512 top, __m512 k, __m512 qpos, const int diagonal) {
     const __m512 p = pow2_probability(_mm512_fmsub_ps(x, scale, top));
     return diagonal ? _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(k, qpos, _CMP_LE_OQ), p) : p;
-}
-
-/* bf16 pairs (lo[i], hi[i]), lo in the low half: the B-tile rows of the probabilities of two consecutive keys */
-INLINE __m512i probability_pairs(__m512 lo, __m512 hi) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
 /* One block's online softmax for a lane tile: s [nk][NR] the unscaled scores; the lanes' running max (top, in base-2

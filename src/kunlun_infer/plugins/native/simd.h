@@ -119,6 +119,11 @@ INLINE vf vf_select_gt(vf a, vf b, vf x, vf y) {
 INLINE vf vf_round_int(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 INLINE vf vf_pow2i(vf n) { return _mm512_scalef_ps(_mm512_set1_ps(1.0f), n); } /* 2^n, n integral */
 
+/* two bf16 values as one pair: lo in the low half */
+INLINE __m512i bf16_pairs(__m256i lo, __m256i hi) {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 
 #define VLEN 8
