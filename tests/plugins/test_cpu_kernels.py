@@ -80,6 +80,45 @@ def test_bf16_prompts_multiply_on_the_amx_tiles_where_granted(native_kernel_set)
     assert not cpu_attention.prompts_on_tiles(torch.float32, 64)
 
 
+def test_bf16_decode_rows_multiply_on_the_amx_tiles_where_granted(native_kernel_set):
+    """The decode kernel takes bf16 rows of a head size that is a multiple of 32, with up to 16 query heads a KV
+    head, to the AMX tiles exactly where the ``amx`` set runs and the OS granted the tile state; the others stay on
+    the vector units. (The tests around check either way against the reference on every kernel set this CPU runs.)"""
+    granted = native_kernel_set == "amx" and bool(cpu_native.selection().library.kunlun_amx_tiles())
+    for d, group in ((64, 7), (128, 16), (32, 1), (256, 4)):
+        assert cpu_attention.decode_on_tiles(torch.bfloat16, d, group) == granted
+    assert not cpu_attention.decode_on_tiles(torch.bfloat16, 64, 17)
+    assert not cpu_attention.decode_on_tiles(torch.bfloat16, 48, 7)
+    assert not cpu_attention.decode_on_tiles(torch.float32, 64, 7)
+
+
+@pytest.mark.parametrize("hq, hk, d, block_size", [
+    (14, 2, 64, 16),  # the 0.5B model: 16 keys of a block in one tile load, in place
+    (16, 1, 128, 32),  # a whole tile of query heads; two tile loads a block
+    (4, 4, 256, 16),  # one query head a KV head; four passes of 64 features over the values
+    (7, 1, 32, 5),  # blocks shorter than a tile: keys gathered
+    (17, 1, 64, 16),  # more query heads than a tile holds: the vector kernel
+])
+def test_native_decode_attention_in_bf16_matches_reference_in_place_and_gathered(hq, hk, d, block_size,
+                                                                                native_kernel_set):
+    """bf16 decode rows, on the tiles where they go there, against the reference: contexts ending inside a tile of 16
+    keys and of 32 (1, 15, 17, 33), at one (16), and long (300); the cache past each context and in blocks no
+    sequence owns is NaN and must not reach the output."""
+    seqs = [(1, 1), (15, 1), (16, 1), (17, 1), (33, 1), (300, 1)]
+    q, k_cache, v_cache, tables, lens, qsl, scale = _batch(seqs, hq=hq, hk=hk, d=d, block_size=block_size,
+                                                           dtype=torch.bfloat16, seed=d + block_size)
+    expected = reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale)
+    owned = torch.zeros(k_cache.shape[0], block_size, dtype=torch.bool)
+    for i, (ctx, _) in enumerate(seqs):
+        for t in range(ctx):
+            owned[int(tables[i, t // block_size]), t % block_size] = True
+    k_cache[~owned] = float("nan")
+    v_cache[~owned] = float("nan")
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, lens, qsl, scale)
+    assert out.dtype == torch.bfloat16 and bool(out.isfinite().all())
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("seqs", [
     [(300, 300)],  # a prompt longer than a block of keys and of queries, keys past several cache blocks
     [(700, 257), (5, 2), (64, 1)],  # a chunk after a cached prefix, drafts, a decode row
@@ -726,17 +765,19 @@ def test_native_token_bitmask_forbids_exactly_what_the_reference_forbids(native_
     assert bool(mine[rows[4]].isinf().all()) and torch.equal(mine[rows[3]], logits[rows[3]])
 
 
-@pytest.mark.parametrize("seqs, hq, hk", [
-    ([(1500, 1)], 8, 1),  # one long context, one KV head: split among the threads
-    ([(700, 1)], 14, 2),  # two items, more threads: split in uneven parts
-    ([(2000, 1), (5, 1), (513, 1)], 4, 1),  # a context too short for every part beside long ones
+@pytest.mark.parametrize("seqs, hq, hk, d", [
+    ([(1500, 1)], 8, 1, 16),  # one long context, one KV head: split among the threads
+    ([(700, 1)], 14, 2, 16),  # two items, more threads: split in uneven parts
+    ([(2000, 1), (5, 1), (513, 1)], 4, 1, 16),  # a context too short for every part beside long ones
+    ([(1500, 1)], 8, 1, 64),  # the same with a head size the AMX tiles take in bf16
+    ([(2000, 1), (5, 1), (513, 1)], 4, 1, 64),
 ])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_native_decode_attention_splits_long_contexts_among_more_threads_than_items(seqs, hq, hk, dtype, tol,
+def test_native_decode_attention_splits_long_contexts_among_more_threads_than_items(seqs, hq, hk, d, dtype, tol,
                                                                                   native_kernel_set):
     """With fewer (sequence, KV head) items than threads a context is split among them and the parts merged; the
     result is the reference's, in the cache's dtype, as with one thread."""
-    args = _batch(seqs, hq=hq, hk=hk, dtype=dtype)
+    args = _batch(seqs, hq=hq, hk=hk, d=d, dtype=dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(8)

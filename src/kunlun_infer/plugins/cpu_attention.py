@@ -89,6 +89,14 @@ def prompts_on_tiles(dtype: torch.dtype, head_size: int) -> bool:
     return lib is not None and bool(lib.kunlun_prompt_attention_on_tiles(dtype is torch.bfloat16, head_size))
 
 
+def decode_on_tiles(dtype: torch.dtype, head_size: int, group: int) -> bool:
+    """Whether the native decode kernel multiplies decode rows of this dtype, head size and number of query heads per
+    KV head on the AMX tiles here (bf16, a head size that is a multiple of 32, up to 16 query heads a KV head, the
+    ``amx`` set, the OS's grant of the tile state)."""
+    lib = cpu_native.selection().library
+    return lib is not None and bool(lib.kunlun_decode_attention_on_tiles(dtype is torch.bfloat16, head_size, group))
+
+
 def native_prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, q_starts: list[int], q_lens: list[int],
                             out: torch.Tensor, scale: float) -> bool:

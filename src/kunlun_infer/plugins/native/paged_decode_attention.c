@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -128,6 +129,17 @@ INLINE void weighted_values(const void *v_cache, const int64_t *rows, const floa
     }
 }
 
+/* where each cached token's K/V row of head h starts (elements), tokens [lo, hi) into rows[0 ..]: looked up once
+ * per item (no division per token and pass) */
+INLINE void token_rows(const int32_t *table, int64_t lo, int64_t hi, int64_t h, int64_t hk, int64_t d,
+                       int64_t block_size, int64_t *rows) {
+    for (int64_t t = lo; t < hi;) {
+        const int64_t i = t / block_size, j0 = t - i * block_size;
+        const int64_t first = ((int64_t)table[i] * block_size * hk + h) * d;
+        for (int64_t j = j0; j < block_size && t < hi; j++, t++) rows[t - lo] = first + j * hk * d;
+    }
+}
+
 /* One work item: the query heads of KV head h of sequence b over its cached tokens [lo, hi). With `part` NULL the
  * normalised outputs go to out (in the cache's dtype); else (a part of a context split among threads) the sums of
  * e^(score - top) * value go to part as float32 [group][d], followed by each head's top score and sum of
@@ -137,12 +149,7 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
                      int64_t block_size, float scale, float *work, int64_t *rows, const int bf16) {
     const int64_t group = hq / hk, chunks = d / VLEN, len = hi - lo;
     float *qf = work, *kf = work + group * d, *vsum = kf + VLEN * d, *scores = vsum + group * d;
-    /* where each cached token's K/V row of this head starts, looked up once (no division per token and pass) */
-    for (int64_t t = lo; t < hi;) {
-        const int64_t i = t / block_size, j0 = t - i * block_size;
-        const int64_t first = ((int64_t)table[i] * block_size * hk + h) * d;
-        for (int64_t j = j0; j < block_size && t < hi; j++, t++) rows[t - lo] = first + j * hk * d;
-    }
+    token_rows(table, lo, hi, h, hk, d, block_size, rows);
     for (int64_t g = 0; g < group; g++) widen_row(q, (b * hq + h * group + g) * d, d, qf + g * d, bf16);
     /* scores: q . k for every cached key, VLEN keys at a time per query head (one transposing sum for VLEN dots) */
     for (int64_t t0 = 0; t0 < len; t0 += VLEN) {
@@ -281,6 +288,243 @@ INLINE void merge_parts(const float *parts_data, int64_t parts, int64_t group, i
     }
 }
 
+#if defined(__AMX_TILE__)
+#include "amx.h"
+#define DECODE_TILES 1
+/*
+ * Decode attention on the AMX tiles (bf16, head size a multiple of 32, up to 16 query heads a KV head:
+ * kunlun_decode_attention_on_tiles). One work item as one_head's, its query heads the lanes of a tile:
+ * - the scores S^T = K Q^T: 16 keys' rows as an A tile, loaded in place from the cache where the 16 are hk_stride
+ *   apart (one block), else gathered; the queries' bf16 pairs [d / 2][16] as B tiles; 64 keys a turn in four sum
+ *   tiles, so that four chains of products are in flight;
+ * - the softmax over keys, one vector of 16 lanes a key, in base 2 (pow2_probability), its probabilities rounded to
+ *   bf16 for the product with the values, as the prompt kernels round them (the sums are of the float32 ones);
+ * - the outputs O = P V: 32 keys' probabilities as an A tile (a lane's row: 16 pairs of keys, by one 16 x 16
+ *   transpose), the values as B tiles of pairs of keys [16][16 features] (two rows interleaved, built a turn before
+ *   the tiles load them), 64 features a pass over the values in four sum tiles.
+ * The scores' pass asks for the K and V rows AHEAD tokens on; the values' passes find them in L2. Tiles: 0-3 sums
+ * (of the scores, then of the outputs), 4-5 A operands, 6 B operands; every one 16 rows of 64 bytes.
+ * The Xeon with AMX (2 threads, 14 / 2 heads of 64, 24 layers each with a cache of its own, in turns against the
+ * vector kernel, kernel_builds.py --work decode-attention, two runs whose A/A control read 0.90-1.07): 8 x 256 tokens
+ * 0.71-0.92x the time, 8 x 1024 and 32 x 1024 0.71-0.81x, 1 x 4096 0.82-0.94x, one KV head of 8 at 4096 0.75-0.86x;
+ * in the engine, a 32-row bf16 decode step at ~1000 tokens of context 0.96x, at ~200 0.97x. With the context in L2,
+ * one core:
+ * 54-56 cycles per (key, KV head) against 93-96; a third of them the asks for the rows ahead, which cost a line
+ * each even where it is cached, but without which a cold context (every step's) took 1.15-1.22x the time. Asking
+ * for only the K rows, or for one line of each row, took 1.03-1.24x; the asks 32-256 tokens ahead, or into L3, all
+ * the same; the next item's first 128 tokens asked while the values run (the items claimed one ahead), 0.93-0.97x
+ * with an A/A control of 0.96-0.98, not kept.
+ */
+#define TILE_LANES 16
+#define TILE_PAIR_KEYS 32 /* keys an A tile of probabilities covers */
+
+INLINE void decode_tiles_configure(void) {
+    amx_tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 7; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    AMX_MEMORY_BARRIER();
+    _tile_loadconfig(&c);
+}
+
+/* the thread's scratch for items of up to `span` keys, head size d: the scores [keys][16], the probabilities as A
+ * tiles [keys / 32][16 lanes][32], 16 gathered keys, the queries' pairs, 32 keys' value pairs for four sum tiles,
+ * the outputs [16][d] */
+typedef struct {
+    float *s, *o;
+    uint16_t *pa, *kb;
+    uint32_t *qt2, *vb;
+} decode_scratch;
+
+static int decode_scratch_alloc(decode_scratch *w, int64_t span, int64_t d) {
+    const int64_t keys = (span + TILE_PAIR_KEYS - 1) / TILE_PAIR_KEYS * TILE_PAIR_KEYS;
+    w->s = (float *)aligned_alloc(64, sizeof(float) * (size_t)(keys * TILE_LANES));
+    w->o = (float *)aligned_alloc(64, sizeof(float) * (size_t)(TILE_LANES * d));
+    w->pa = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(keys * TILE_LANES));
+    w->kb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(4 * 16 * d));
+    w->qt2 = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(d / 2 * TILE_LANES));
+    w->vb = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * 2 * 4 * 16 * 16);
+    return w->s && w->o && w->pa && w->kb && w->qt2 && w->vb;
+}
+
+static void decode_scratch_free(decode_scratch *w) {
+    free(w->s), free(w->o), free(w->pa), free(w->kb), free(w->qt2), free(w->vb);
+}
+
+/* value pairs of keys t, t + 1 (rows, NULL past the context: zero) for features c .. c + 16 */
+INLINE __m512i value_pair(const uint16_t *v_cache, const int64_t *rows, int64_t t, int64_t len, int64_t c) {
+    const __m256i lo = t < len ? _mm256_loadu_si256((const __m256i *)(v_cache + rows[t] + c)) : _mm256_setzero_si256();
+    const __m256i hi = t + 1 < len ? _mm256_loadu_si256((const __m256i *)(v_cache + rows[t + 1] + c))
+                                   : _mm256_setzero_si256();
+    return bf16_pairs(lo, hi);
+}
+
+/* one_head on the tiles: the same item, `rows` its tokens' row offsets, and the same outputs (out, or part) */
+static void tiles_head(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t len,
+                       const int64_t *rows, int64_t hk_stride, void *out, float *part, int64_t b, int64_t h, int64_t hq,
+                       int64_t hk, int64_t d, float scale, decode_scratch *w) {
+    const int64_t group = hq / hk, padded = (len + TILE_PAIR_KEYS - 1) / TILE_PAIR_KEYS * TILE_PAIR_KEYS;
+    /* the queries' pairs of features: B-tile row c2 holds word c2 of each lane's query, lanes past the group zero */
+    for (int64_t c2 = 0; c2 < d / 2; c2++)
+        for (int64_t g = 0; g < TILE_LANES; g++)
+            w->qt2[c2 * TILE_LANES + g] = g < group ? ((const uint32_t *)(q + (b * hq + h * group + g) * d))[c2] : 0;
+    /* S^T, 64 keys a turn in four sum tiles (0-3, free until the values), so that four chains of products are in
+     * flight; keys past the context score against zero rows (never used) */
+    for (int64_t t0 = 0; t0 < len; t0 += 64) {
+        for (int64_t t = t0 == 0 ? 0 : t0 + AHEAD; t < t0 + 64 + AHEAD && t < len; t++) {
+            ask_row(k_cache, rows[t], d, 1);
+            ask_row(v_cache, rows[t], d, 1);
+        }
+        const uint16_t *keys[4];
+        int64_t ldk[4];
+        for (int64_t g = 0; g < 4 && t0 + 16 * g < len; g++) {
+            const int64_t k0 = t0 + 16 * g;
+            int apart = k0 + 16 <= len; /* 16 rows hk_stride apart in the cache: one tile load in place */
+            for (int64_t i = 1; apart && i < 16; i++) apart = rows[k0 + i] == rows[k0] + i * hk_stride;
+            keys[g] = k_cache + rows[k0];
+            ldk[g] = hk_stride * (int64_t)sizeof(uint16_t);
+            if (!apart) {
+                uint16_t *kb = w->kb + g * 16 * d;
+                for (int64_t i = 0; i < 16; i++) {
+                    if (k0 + i < len)
+                        memcpy(kb + i * d, k_cache + rows[k0 + i], sizeof(uint16_t) * (size_t)d);
+                    else
+                        memset(kb + i * d, 0, sizeof(uint16_t) * (size_t)d);
+                }
+                keys[g] = kb;
+                ldk[g] = d * (int64_t)sizeof(uint16_t);
+            }
+        }
+        AMX_MEMORY_BARRIER();
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < d; c += 32) {
+            _tile_loadd(6, w->qt2 + c / 2 * TILE_LANES, 64);
+#define SCORE_GROUP(G, A)                                \
+    if (t0 + 16 * (G) < len) {                           \
+        _tile_loadd(A, keys[G] + c, ldk[G]);             \
+        _tile_dpbf16ps(G, A, 6);                         \
+    }
+            SCORE_GROUP(0, 4)
+            SCORE_GROUP(1, 5)
+            SCORE_GROUP(2, 4)
+            SCORE_GROUP(3, 5)
+#undef SCORE_GROUP
+        }
+        _tile_stored(0, w->s + t0 * TILE_LANES, 64);
+        if (t0 + 16 < len) _tile_stored(1, w->s + (t0 + 16) * TILE_LANES, 64);
+        if (t0 + 32 < len) _tile_stored(2, w->s + (t0 + 32) * TILE_LANES, 64);
+        if (t0 + 48 < len) _tile_stored(3, w->s + (t0 + 48) * TILE_LANES, 64);
+    }
+    AMX_MEMORY_BARRIER();
+    /* softmax per lane over the keys, base 2 */
+    const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f);
+    __m512 m0 = _mm512_set1_ps(-3.0e38f), m1 = m0;
+    int64_t t = 0;
+    for (; t + 2 <= len; t += 2) {
+        m0 = _mm512_max_ps(m0, _mm512_loadu_ps(w->s + t * TILE_LANES));
+        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(w->s + (t + 1) * TILE_LANES));
+    }
+    if (t < len) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(w->s + t * TILE_LANES));
+    const __m512 top = _mm512_mul_ps(_mm512_max_ps(m0, m1), sc);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+    for (int64_t k0 = 0; k0 < padded; k0 += TILE_PAIR_KEYS) {
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) {
+            const int64_t k = k0 + 2 * j;
+            __m512 p0 = _mm512_setzero_ps(), p1 = p0;
+            if (k < len) {
+                p0 = pow2_probability(_mm512_fmsub_ps(_mm512_loadu_ps(w->s + k * TILE_LANES), sc, top));
+                sum0 = _mm512_add_ps(sum0, p0);
+            }
+            if (k + 1 < len) {
+                p1 = pow2_probability(_mm512_fmsub_ps(_mm512_loadu_ps(w->s + (k + 1) * TILE_LANES), sc, top));
+                sum1 = _mm512_add_ps(sum1, p1);
+            }
+            r[j] = probability_pairs(p0, p1);
+        }
+        transpose16_epi32(r); /* r[lane]: the lane's 16 pairs of keys */
+        for (int g = 0; g < 16; g++) _mm512_storeu_si512(w->pa + k0 * TILE_LANES + g * TILE_PAIR_KEYS, r[g]);
+    }
+    float sums[TILE_LANES], tops[TILE_LANES];
+    _mm512_storeu_ps(sums, _mm512_add_ps(sum0, sum1));
+    _mm512_storeu_ps(tops, top);
+    /* O = P V, 64 features (four sum tiles) a pass over the values. The value pairs of each block of 32 keys are
+     * built one turn before the tiles load them (two buffers in turn), so that no tile load waits on the vector
+     * stores just written. */
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+        const int tiles = d - c0 >= 64 ? 4 : (int)((d - c0) / 16);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0; k0 <= padded; k0 += TILE_PAIR_KEYS) {
+            if (k0 > 0) { /* the block before, built last turn */
+                const int64_t kp = k0 - TILE_PAIR_KEYS;
+                const uint32_t *vb = w->vb + (kp / TILE_PAIR_KEYS % 2) * 4 * 256;
+                AMX_MEMORY_BARRIER();
+                _tile_loadd(4, w->pa + kp * TILE_LANES, 64);
+                _tile_loadd(5, vb, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, vb + 256, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                if (tiles > 2) {
+                    _tile_loadd(5, vb + 512, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(6, vb + 768, 64);
+                    _tile_dpbf16ps(3, 4, 6);
+                }
+            }
+            if (k0 < padded) {
+                uint32_t *vb = w->vb + (k0 / TILE_PAIR_KEYS % 2) * 4 * 256;
+                for (int g = 0; g < tiles; g++)
+                    for (int j = 0; j < 16; j++)
+                        _mm512_storeu_si512(vb + (g * 16 + j) * 16, value_pair(v_cache, rows, k0 + 2 * j, len, c0 + 16 * g));
+            }
+        }
+        const int64_t ldo = d * (int64_t)sizeof(float);
+        _tile_stored(0, w->o + c0, ldo);
+        _tile_stored(1, w->o + c0 + 16, ldo);
+        if (tiles > 2) {
+            _tile_stored(2, w->o + c0 + 32, ldo);
+            _tile_stored(3, w->o + c0 + 48, ldo);
+        }
+    }
+    AMX_MEMORY_BARRIER();
+    for (int64_t g = 0; g < group; g++) {
+        if (part != NULL) { /* unnormalised, the top in natural units (merge_parts) */
+            for (int64_t f = 0; f < d; f += 16) _mm512_storeu_ps(part + g * d + f, _mm512_loadu_ps(w->o + g * d + f));
+            part[group * d + g] = tops[g] * 0.69314718055994531f;
+            part[group * d + group + g] = sums[g];
+            continue;
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sums[g]);
+        for (int64_t f = 0; f < d; f += 16)
+            vf_store_bf16((uint16_t *)out + (b * hq + h * group + g) * d + f,
+                          _mm512_mul_ps(_mm512_loadu_ps(w->o + g * d + f), inv));
+    }
+}
+#else
+#define DECODE_TILES 0
+#endif
+
+/* 1 when decode attention of this dtype (bf16: 1), head size and query heads per KV head runs on the AMX tiles here
+ * (tiles_head): bf16, d a multiple of 32, up to 16 query heads a KV head, the tiles built in and granted by the OS;
+ * else 0 (one_head) */
+int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t group) {
+#if DECODE_TILES
+    return bf16 && d % 32 == 0 && group >= 1 && group <= TILE_LANES && kunlun_amx_tiles();
+#else
+    (void)bf16, (void)d, (void)group;
+    return 0;
+#endif
+}
+
 /* One work item with head size D. With AVX2 and bf16 caches the common head sizes (64, 128) are each compiled with D a
  * constant, so that the loops over a row's vectors unroll whole: Zen 4 capped to AVX2, in turns, bit for bit the same,
  * the 0.5B model's step (14 / 2 heads of 64) 0.87-0.94x the time at 8 x 256 and 8 x 1024 tokens and 0.92-0.93x at
@@ -323,16 +567,25 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
     if (parts > 1 && partial == NULL) return -1;
     const int64_t per_item = group * d + VLEN * d + group * d + group * span;
     int failed = 0;
+    const int tiles = kunlun_decode_attention_on_tiles(bf16, d, group);
     #pragma omp parallel reduction(|| : failed)
     {
-        float *work = (float *)malloc(sizeof(float) * per_item);
+        float *work = tiles ? NULL : (float *)malloc(sizeof(float) * per_item);
         int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * span);
-        if (work == NULL || rows == NULL) failed = 1;
+        int ready = rows != NULL && (tiles || work != NULL);
+#if DECODE_TILES
+        decode_scratch tw = {0};
+        if (tiles) {
+            ready = decode_scratch_alloc(&tw, span, d) && ready;
+            decode_tiles_configure();
+        }
+#endif
+        if (!ready) failed = 1;
         #pragma omp for collapse(3) schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; b++)
             for (int64_t h = 0; h < hk; h++)
                 for (int64_t i = 0; i < parts; i++) {
-                    if (work == NULL || rows == NULL) continue;
+                    if (!ready) continue;
                     const int32_t *table = block_tables + b * table_stride;
                     const int64_t len = seq_lens[b], each = (len + parts - 1) / parts;
                     const int64_t lo = i * each < len ? i * each : len, hi = lo + each < len ? lo + each : len;
@@ -341,6 +594,14 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
                         for (int64_t g = 0; g < group; g++) part[group * d + group + g] = 0.0f;
                         continue;
                     }
+#if DECODE_TILES
+                    if (tiles) {
+                        token_rows(table, lo, hi, h, hk, d, block_size, rows);
+                        tiles_head((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, hi - lo,
+                                   rows, hk * d, out, part, b, h, hq, hk, d, scale, &tw);
+                        continue;
+                    }
+#endif
                     if (VLEN == 8 && bf16 && d == 64)  /* see ONE_HEAD_OF_SIZE */
                         ONE_HEAD_OF_SIZE(64, 1);
                     else if (VLEN == 8 && bf16 && d == 128)
@@ -357,6 +618,12 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
                     merge_parts(partial + (b * hk + h) * parts * part_floats, parts, group, d, out,
                                 (b * hq + h * group) * d, bf16);
         }
+#if DECODE_TILES
+        if (tiles) {
+            _tile_release();
+            decode_scratch_free(&tw);
+        }
+#endif
         free(work);
         free(rows);
     }
