@@ -306,7 +306,7 @@ INLINE void merge_parts(const float *parts_data, int64_t parts, int64_t group, i
  * (of the scores, then of the outputs), 4-5 A operands, 6 B operands; every one 16 rows of 64 bytes.
  * The Xeon with AMX (2 threads, 14 / 2 heads of 64, 24 layers each with a cache of its own, in turns against the
  * vector kernel, kernel_builds.py --work decode-attention, two runs whose A/A control read 0.90-1.07): 8 x 256 tokens
- * 0.71-0.92x the time, 8 x 1024 and 32 x 1024 0.71-0.81x, 1 x 4096 0.82-0.94x, one KV head of 8 at 4096 0.75-0.86x;
+ * 0.71-0.92x the time, 8 x 1024 and 32 x 1024 0.71-0.75x, 1 x 4096 0.82-0.88x, one KV head of 8 at 4096 0.75-0.82x;
  * in the engine, a 32-row bf16 decode step at ~1000 tokens of context 0.96x, at ~200 0.97x. With the context in L2,
  * one core:
  * 54-56 cycles per (key, KV head) against 93-96; a third of them the asks for the rows ahead, which cost a line
