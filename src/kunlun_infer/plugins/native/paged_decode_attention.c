@@ -308,9 +308,9 @@ INLINE void merge_parts(const float *parts_data, int64_t parts, int64_t group, i
  * vector kernel, kernel_builds.py --work decode-attention, two runs whose A/A control read 0.90-1.07): 8 x 256 tokens
  * 0.71-0.92x the time, 8 x 1024 and 32 x 1024 0.71-0.75x, 1 x 4096 0.82-0.88x, one KV head of 8 at 4096 0.75-0.82x;
  * in the engine, a 32-row bf16 decode step at ~1000 tokens of context 0.96x, at ~200 0.97x. With the context in L2,
- * one core:
- * 54-56 cycles per (key, KV head) against 93-96; a third of them the asks for the rows ahead, which cost a line
- * each even where it is cached, but without which a cold context (every step's) took 1.15-1.22x the time. Asking
+ * one core: 54-56 cycles per (key, KV head) against 93-96; a third of them the asks for the rows ahead, which cost
+ * an instruction a line even where it is cached, but without which a cold context (every step's) took 1.13-1.22x
+ * the time (1.03x for one sequence of 4096 tokens). Asking
  * for only the K rows, or for one line of each row, took 1.03-1.24x; the asks 32-256 tokens ahead, or into L3, all
  * the same; the next item's first 128 tokens asked while the values run (the items claimed one ahead), 0.93-0.97x
  * with an A/A control of 0.96-0.98, not kept.
@@ -331,8 +331,8 @@ INLINE void decode_tiles_configure(void) {
 }
 
 /* the thread's scratch for items of up to `span` keys, head size d: the scores [keys][16], the probabilities as A
- * tiles [keys / 32][16 lanes][32], 16 gathered keys, the queries' pairs, 32 keys' value pairs for four sum tiles,
- * the outputs [16][d] */
+ * tiles [keys / 32][16 lanes][32], four tiles' gathered keys [4][16][d], the queries' pairs [d / 2][16], two buffers
+ * of 32 keys' value pairs for four sum tiles [2][4][16][16], the outputs [16][d] */
 typedef struct {
     float *s, *o;
     uint16_t *pa, *kb;
@@ -354,7 +354,8 @@ static void decode_scratch_free(decode_scratch *w) {
     free(w->s), free(w->o), free(w->pa), free(w->kb), free(w->qt2), free(w->vb);
 }
 
-/* value pairs of keys t, t + 1 (rows, NULL past the context: zero) for features c .. c + 16 */
+/* the B-tile row of keys t and t + 1 (their rows in `rows`; zero past the context's len keys) for features
+ * c .. c + 16: each feature's two values side by side */
 INLINE __m512i value_pair(const uint16_t *v_cache, const int64_t *rows, int64_t t, int64_t len, int64_t c) {
     const __m256i lo = t < len ? _mm256_loadu_si256((const __m256i *)(v_cache + rows[t] + c)) : _mm256_setzero_si256();
     const __m256i hi = t + 1 < len ? _mm256_loadu_si256((const __m256i *)(v_cache + rows[t + 1] + c))
