@@ -111,7 +111,7 @@ SIGNATURES = {
     "kunlun_gemm_int8": ([_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int], ctypes.c_int),
     "kunlun_paged_decode_attention": ([_P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                        ctypes.c_float, ctypes.c_int], ctypes.c_int),
-    "kunlun_decode_attention_on_tiles": ([ctypes.c_int, _I64, _I64], ctypes.c_int),
+    "kunlun_decode_attention_on_tiles": ([ctypes.c_int, _I64, _I64, _I64], ctypes.c_int),
     "kunlun_prompt_attention_on_tiles": ([ctypes.c_int, _I64], ctypes.c_int),
     "kunlun_paged_prefill_attention": ([_P, _P, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                         ctypes.c_float, ctypes.c_int], ctypes.c_int),

@@ -292,7 +292,7 @@ INLINE void merge_parts(const float *parts_data, int64_t parts, int64_t group, i
 #include "amx.h"
 #define DECODE_TILES 1
 /*
- * Decode attention on the AMX tiles (bf16, head size a multiple of 32, up to 16 query heads a KV head:
+ * Decode attention on the AMX tiles (bf16, head size a multiple of 32, 6 or 8 up to 16 query heads a KV head:
  * kunlun_decode_attention_on_tiles). One work item as one_head's, its query heads the lanes of a tile:
  * - the scores S^T = K Q^T: 16 keys' rows as an A tile, loaded in place from the cache where the 16 are hk_stride
  *   apart (one block), else gathered; the queries' bf16 pairs [d / 2][16] as B tiles; 64 keys a turn in four sum
@@ -514,14 +514,26 @@ static void tiles_head(const uint16_t *q, const uint16_t *k_cache, const uint16_
 #define DECODE_TILES 0
 #endif
 
-/* 1 when decode attention of this dtype (bf16: 1), head size and query heads per KV head runs on the AMX tiles here
- * (tiles_head): bf16, d a multiple of 32, up to 16 query heads a KV head, the tiles built in and granted by the OS;
- * else 0 (one_head) */
-int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t group) {
+/* The fewest query heads a KV head for which the tiles beat the vector kernel: their work a key hardly grows with the
+ * heads (a tile has 16 lanes), the vector kernel's grows with each. Where a token's rows of every KV head span more
+ * than WIDE_TOKEN_BYTES the tiles read a cold context slower and need more heads to win. The Xeon with AMX, 4 x 1024
+ * tokens, 24 layers, against the vector kernel: 2 KV heads of 64, 4 query heads each 1.08x the time, 6 0.88x, 8
+ * 0.79x, 16 0.49x; 2 of 128, 4 0.87x, 6 0.83x; 8 of 64, 4 1.04x, 6 0.94x, 8 0.82x; 8 of 128, 4 1.24x, 6 1.10x,
+ * 8 0.97x, 12 0.81x, 16 0.69x. */
+#define TILES_MIN_GROUP 6
+#define TILES_MIN_GROUP_WIDE 8
+#define WIDE_TOKEN_BYTES 1024
+
+/* 1 when decode attention of this dtype (bf16: 1), head size and heads (hq query heads over hk KV heads) runs on the
+ * AMX tiles here (tiles_head): bf16, d a multiple of 32, from TILES_MIN_GROUP (or TILES_MIN_GROUP_WIDE) up to 16 query
+ * heads a KV head, the tiles built in and granted by the OS; else 0 (one_head) */
+int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t hq, int64_t hk) {
 #if DECODE_TILES
-    return bf16 && d % 32 == 0 && group >= 1 && group <= TILE_LANES && kunlun_amx_tiles();
+    const int64_t group = hk > 0 ? hq / hk : 0;
+    const int64_t least = hk * d * 2 > WIDE_TOKEN_BYTES ? TILES_MIN_GROUP_WIDE : TILES_MIN_GROUP;
+    return bf16 && d % 32 == 0 && group >= least && group <= TILE_LANES && kunlun_amx_tiles();
 #else
-    (void)bf16, (void)d, (void)group;
+    (void)bf16, (void)d, (void)hq, (void)hk;
     return 0;
 #endif
 }
@@ -568,7 +580,7 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
     if (parts > 1 && partial == NULL) return -1;
     const int64_t per_item = group * d + VLEN * d + group * d + group * span;
     int failed = 0;
-    const int tiles = kunlun_decode_attention_on_tiles(bf16, d, group);
+    const int tiles = kunlun_decode_attention_on_tiles(bf16, d, hq, hk);
     #pragma omp parallel reduction(|| : failed)
     {
         float *work = tiles ? NULL : (float *)malloc(sizeof(float) * per_item);
