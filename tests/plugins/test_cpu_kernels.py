@@ -83,12 +83,12 @@ def test_bf16_prompts_multiply_on_the_amx_tiles_where_granted(native_kernel_set)
 def test_bf16_decode_rows_multiply_on_the_amx_tiles_where_granted(native_kernel_set):
     """The decode kernel takes bf16 rows of a head size that is a multiple of 32 to the AMX tiles exactly where the
     ``amx`` set runs and the OS granted the tile state, and where a KV head has enough query heads for the tiles to
-    win (6 to 16; 8 to 16 where a token's rows of every KV head span more than 1 KiB); the others stay on the vector
+    win (6 or more; 8 where a token's rows of every KV head span more than 1 KiB); the others stay on the vector
     units. (The tests around check either way against the reference on every kernel set this CPU runs.)"""
     granted = native_kernel_set == "amx" and bool(cpu_native.selection().library.kunlun_amx_tiles())
-    for d, hq, hk in ((64, 14, 2), (128, 16, 1), (32, 6, 1), (128, 64, 8), (256, 32, 4)):
+    for d, hq, hk in ((64, 14, 2), (128, 16, 1), (32, 6, 1), (128, 64, 8), (256, 32, 4), (64, 71, 1)):
         assert cpu_attention.decode_on_tiles(torch.bfloat16, d, hq, hk) == granted
-    for d, hq, hk in ((64, 17, 1), (64, 8, 2), (128, 48, 8), (48, 14, 2)):  # too many, too few, too few, d
+    for d, hq, hk in ((64, 8, 2), (128, 48, 8), (48, 14, 2)):  # too few, too few for wide rows, head size
         assert not cpu_attention.decode_on_tiles(torch.bfloat16, d, hq, hk)
     assert not cpu_attention.decode_on_tiles(torch.float32, 64, 14, 2)
 
@@ -98,7 +98,8 @@ def test_bf16_decode_rows_multiply_on_the_amx_tiles_where_granted(native_kernel_
     (16, 1, 128, 32),  # a whole tile of query heads; two tile loads a block
     (32, 4, 256, 16),  # wide token rows; four passes of 64 features over the values
     (7, 1, 32, 5),  # blocks shorter than a tile: keys gathered
-    (17, 1, 64, 16),  # more query heads than a tile holds: the vector kernel
+    (17, 1, 64, 16),  # more query heads than a tile holds: two tiles of lanes, the second of one head
+    (40, 1, 64, 16),  # three tiles of lanes
     (4, 2, 64, 16),  # too few query heads a KV head for the tiles: the vector kernel
 ])
 def test_native_decode_attention_in_bf16_matches_reference_in_place_and_gathered(hq, hk, d, block_size,
@@ -773,6 +774,7 @@ def test_native_token_bitmask_forbids_exactly_what_the_reference_forbids(native_
     ([(2000, 1), (5, 1), (513, 1)], 4, 1, 16),  # a context too short for every part beside long ones
     ([(1500, 1)], 8, 1, 64),  # the same with a head size the AMX tiles take in bf16
     ([(2000, 1), (5, 1), (513, 1)], 6, 1, 64),
+    ([(1500, 1)], 20, 1, 64),  # two tiles of lanes, each writing its heads' parts
 ])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_native_decode_attention_splits_long_contexts_among_more_threads_than_items(seqs, hq, hk, d, dtype, tol,

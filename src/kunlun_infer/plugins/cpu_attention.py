@@ -21,8 +21,8 @@ whose flash attention multiplies on the tiles too and which took long bf16
 prompts there before (a bf16 prefill of the 0.5B model in the engine, in
 turns against that: 1.04x at 256 tokens, 1.10x at 1024, 1.23x at 2048).
 bf16 decode rows multiply there as well where a KV head has enough query
-heads for the tiles to win (:func:`decode_on_tiles`: 6 to 16, or 8 to 16
-where a token's rows are wide; a head size that is a multiple of 32): a
+heads for the tiles to win (:func:`decode_on_tiles`: 6 or more, 8 where a
+token's rows are wide; a head size that is a multiple of 32): a
 decode step's attention 0.71-0.75x the time at 8 x 1024 and 32 x 1024
 tokens.
 Without the native kernels (no library, fp16, head size not a multiple of
@@ -96,8 +96,7 @@ def prompts_on_tiles(dtype: torch.dtype, head_size: int) -> bool:
 
 def decode_on_tiles(dtype: torch.dtype, head_size: int, num_q_heads: int, num_kv_heads: int) -> bool:
     """Whether the native decode kernel multiplies decode rows of this dtype, head size and heads on the AMX tiles here
-    (bf16, a head size that is a multiple of 32, enough query heads a KV head for the tiles to win and at most 16,
-    the ``amx`` set, the OS's grant of the tile state; the kernel decides, see ``kunlun_decode_attention_on_tiles``)."""
+    (bf16, a head size that is a multiple of 32, enough query heads a KV head for the tiles to win, the ``amx`` set, the OS's grant of the tile state; the kernel decides, see ``kunlun_decode_attention_on_tiles``)."""
     lib = cpu_native.selection().library
     return lib is not None and bool(lib.kunlun_decode_attention_on_tiles(dtype is torch.bfloat16, head_size,
                                                                          num_q_heads, num_kv_heads))

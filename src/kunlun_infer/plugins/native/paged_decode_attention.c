@@ -292,8 +292,9 @@ INLINE void merge_parts(const float *parts_data, int64_t parts, int64_t group, i
 #include "amx.h"
 #define DECODE_TILES 1
 /*
- * Decode attention on the AMX tiles (bf16, head size a multiple of 32, 6 or 8 up to 16 query heads a KV head:
- * kunlun_decode_attention_on_tiles). One work item as one_head's, its query heads the lanes of a tile:
+ * Decode attention on the AMX tiles (bf16, head size a multiple of 32, 6 or 8 query heads a KV head or more:
+ * kunlun_decode_attention_on_tiles). One work item as one_head's, its query heads the lanes of a tile (16 at a time,
+ * each tile of lanes a pass over the item's keys and values):
  * - the scores S^T = K Q^T: 16 keys' rows as an A tile, loaded in place from the cache where the 16 are hk_stride
  *   apart (one block), else gathered; the queries' bf16 pairs [d / 2][16] as B tiles; 64 keys a turn in four sum
  *   tiles, so that four chains of products are in flight;
@@ -363,19 +364,21 @@ INLINE __m512i value_pair(const uint16_t *v_cache, const int64_t *rows, int64_t 
     return bf16_pairs(lo, hi);
 }
 
-/* one_head on the tiles: the same item, `rows` its tokens' row offsets, and the same outputs (out, or part) */
-static void tiles_head(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t len,
-                       const int64_t *rows, int64_t hk_stride, void *out, float *part, int64_t b, int64_t h, int64_t hq,
-                       int64_t hk, int64_t d, float scale, decode_scratch *w) {
+/* tiles_head for query heads lane0 .. lane0 + 16 of the group (one tile of lanes); the first tile of lanes asks for
+ * the rows ahead, the others find them in L2 */
+static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t len,
+                        const int64_t *rows, int64_t hk_stride, void *out, float *part, int64_t b, int64_t h,
+                        int64_t hq, int64_t hk, int64_t d, float scale, int64_t lane0, decode_scratch *w) {
     const int64_t group = hq / hk, padded = (len + TILE_PAIR_KEYS - 1) / TILE_PAIR_KEYS * TILE_PAIR_KEYS;
-    /* the queries' pairs of features: B-tile row c2 holds word c2 of each lane's query, lanes past the group zero */
+    const int64_t lanes = group - lane0 < TILE_LANES ? group - lane0 : TILE_LANES, head0 = h * group + lane0;
+    /* the queries' pairs of features: B-tile row c2 holds word c2 of each lane's query, lanes past the heads zero */
     for (int64_t c2 = 0; c2 < d / 2; c2++)
         for (int64_t g = 0; g < TILE_LANES; g++)
-            w->qt2[c2 * TILE_LANES + g] = g < group ? ((const uint32_t *)(q + (b * hq + h * group + g) * d))[c2] : 0;
+            w->qt2[c2 * TILE_LANES + g] = g < lanes ? ((const uint32_t *)(q + (b * hq + head0 + g) * d))[c2] : 0;
     /* S^T, 64 keys a turn in four sum tiles (0-3, free until the values), so that four chains of products are in
      * flight; keys past the context score against zero rows (never used) */
     for (int64_t t0 = 0; t0 < len; t0 += 64) {
-        for (int64_t t = t0 == 0 ? 0 : t0 + AHEAD; t < t0 + 64 + AHEAD && t < len; t++) {
+        for (int64_t t = t0 == 0 ? 0 : t0 + AHEAD; lane0 == 0 && t < t0 + 64 + AHEAD && t < len; t++) {
             ask_row(k_cache, rows[t], d, 1);
             ask_row(v_cache, rows[t], d, 1);
         }
@@ -497,18 +500,28 @@ static void tiles_head(const uint16_t *q, const uint16_t *k_cache, const uint16_
         }
     }
     AMX_MEMORY_BARRIER();
-    for (int64_t g = 0; g < group; g++) {
+    for (int64_t g = 0; g < lanes; g++) {
+        const int64_t at = lane0 + g; /* the head's place in the group */
         if (part != NULL) { /* unnormalised, the top in natural units (merge_parts) */
-            for (int64_t f = 0; f < d; f += 16) _mm512_storeu_ps(part + g * d + f, _mm512_loadu_ps(w->o + g * d + f));
-            part[group * d + g] = tops[g] * 0.69314718055994531f;
-            part[group * d + group + g] = sums[g];
+            for (int64_t f = 0; f < d; f += 16) _mm512_storeu_ps(part + at * d + f, _mm512_loadu_ps(w->o + g * d + f));
+            part[group * d + at] = tops[g] * 0.69314718055994531f;
+            part[group * d + group + at] = sums[g];
             continue;
         }
         const __m512 inv = _mm512_set1_ps(1.0f / sums[g]);
         for (int64_t f = 0; f < d; f += 16)
-            vf_store_bf16((uint16_t *)out + (b * hq + h * group + g) * d + f,
+            vf_store_bf16((uint16_t *)out + (b * hq + head0 + g) * d + f,
                           _mm512_mul_ps(_mm512_loadu_ps(w->o + g * d + f), inv));
     }
+}
+
+/* one_head on the tiles: the same item, `rows` its tokens' row offsets, and the same outputs (out, or part); the
+ * query heads of the group 16 at a time */
+static void tiles_head(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t len,
+                       const int64_t *rows, int64_t hk_stride, void *out, float *part, int64_t b, int64_t h, int64_t hq,
+                       int64_t hk, int64_t d, float scale, decode_scratch *w) {
+    for (int64_t lane0 = 0; lane0 < hq / hk; lane0 += TILE_LANES)
+        tiles_lanes(q, k_cache, v_cache, len, rows, hk_stride, out, part, b, h, hq, hk, d, scale, lane0, w);
 }
 #else
 #define DECODE_TILES 0
@@ -519,19 +532,20 @@ static void tiles_head(const uint16_t *q, const uint16_t *k_cache, const uint16_
  * than WIDE_TOKEN_BYTES the tiles read a cold context slower and need more heads to win. The Xeon with AMX, 4 x 1024
  * tokens, 24 layers, against the vector kernel: 2 KV heads of 64, 4 query heads each 1.08x the time, 6 0.88x, 8
  * 0.79x, 16 0.49x; 2 of 128, 4 0.87x, 6 0.83x; 8 of 64, 4 1.04x, 6 0.94x, 8 0.82x; 8 of 128, 4 1.24x, 6 1.10x,
- * 8 0.97x, 12 0.81x, 16 0.69x. */
+ * 8 0.97x, 12 0.81x, 16 0.69x. More than 16 take a pass for each tile of lanes: at 8 x 1024, one KV head of 17, 32,
+ * 48 and 71 query heads, 0.55-0.58x, 0.41x, 0.34x and 0.32x the time. */
 #define TILES_MIN_GROUP 6
 #define TILES_MIN_GROUP_WIDE 8
 #define WIDE_TOKEN_BYTES 1024
 
 /* 1 when decode attention of this dtype (bf16: 1), head size and heads (hq query heads over hk KV heads) runs on the
- * AMX tiles here (tiles_head): bf16, d a multiple of 32, from TILES_MIN_GROUP (or TILES_MIN_GROUP_WIDE) up to 16 query
- * heads a KV head, the tiles built in and granted by the OS; else 0 (one_head) */
+ * AMX tiles here (tiles_head): bf16, d a multiple of 32, TILES_MIN_GROUP (or TILES_MIN_GROUP_WIDE) query heads a KV
+ * head or more, the tiles built in and granted by the OS; else 0 (one_head) */
 int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t hq, int64_t hk) {
 #if DECODE_TILES
     const int64_t group = hk > 0 ? hq / hk : 0;
     const int64_t least = hk * d * 2 > WIDE_TOKEN_BYTES ? TILES_MIN_GROUP_WIDE : TILES_MIN_GROUP;
-    return bf16 && d % 32 == 0 && group >= least && group <= TILE_LANES && kunlun_amx_tiles();
+    return bf16 && d % 32 == 0 && group >= least && kunlun_amx_tiles();
 #else
     (void)bf16, (void)d, (void)hq, (void)hk;
     return 0;
