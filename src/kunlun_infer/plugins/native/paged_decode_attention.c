@@ -304,7 +304,8 @@ INLINE void merge_parts(const float *parts_data, int64_t parts, int64_t group, i
  *   transpose), the values as B tiles of pairs of keys [16][16 features] (two rows interleaved, built a turn before
  *   the tiles load them), 64 features a pass over the values in four sum tiles.
  * The scores' pass asks for the K and V rows AHEAD tokens on; the values' passes find them in L2. Tiles: 0-3 sums
- * (of the scores, then of the outputs), 4-5 A operands, 6 B operands; every one 16 rows of 64 bytes.
+ * (of the scores, then of the outputs), 4-5 A operands, 6 B operands; every one 16 rows of 64 bytes
+ * (amx_configure(16, 16)).
  * The Xeon with AMX (2 threads, 14 / 2 heads of 64, 24 layers each with a cache of its own, in turns against the
  * vector kernel, kernel_builds.py --work decode-attention, two runs whose A/A control read 0.90-1.07): 8 x 256 tokens
  * 0.71-0.92x the time, 8 x 1024 and 32 x 1024 0.71-0.75x, 1 x 4096 0.82-0.88x, one KV head of 8 at 4096 0.75-0.82x;
@@ -318,18 +319,6 @@ INLINE void merge_parts(const float *parts_data, int64_t parts, int64_t group, i
  */
 #define TILE_LANES 16
 #define TILE_PAIR_KEYS 32 /* keys an A tile of probabilities covers */
-
-INLINE void decode_tiles_configure(void) {
-    amx_tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 7; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    AMX_MEMORY_BARRIER();
-    _tile_loadconfig(&c);
-}
 
 /* the thread's scratch for items of up to `span` keys, head size d: the scores [keys][16], the probabilities as A
  * tiles [keys / 32][16 lanes][32], four tiles' gathered keys [4][16][d], the queries' pairs [d / 2][16], two buffers
@@ -604,7 +593,7 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
         decode_scratch tw = {0};
         if (tiles) {
             ready = decode_scratch_alloc(&tw, span, d) && ready;
-            decode_tiles_configure();
+            amx_configure(16, 16); /* every tile 16 rows of 64 bytes, as the prompt kernel's */
         }
 #endif
         if (!ready) failed = 1;
