@@ -208,8 +208,8 @@ def attention_work(lib: ctypes.CDLL, dtype: torch.dtype, ctx: int, new: int):
 
 
 #: decode-attention cases: (sequences in the step, tokens of context each, (query heads, KV heads))
-DECODE_SHAPES = [(8, 256, prompt_attention.HEADS), (8, 1024, prompt_attention.HEADS), (32, 1024, prompt_attention.HEADS),
-                 (1, 4096, prompt_attention.HEADS), (1, 4096, (8, 1))]
+DECODE_SHAPES = [(8, 256, prompt_attention.HEADS), (8, 1024, prompt_attention.HEADS),
+                 (32, 1024, prompt_attention.HEADS), (1, 4096, prompt_attention.HEADS), (1, 4096, (8, 1))]
 
 
 def decode_attention_work(lib: ctypes.CDLL, dtype: torch.dtype, batch: int, ctx: int, heads: tuple[int, int]):

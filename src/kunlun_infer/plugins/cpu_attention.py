@@ -96,7 +96,8 @@ def prompts_on_tiles(dtype: torch.dtype, head_size: int) -> bool:
 
 def decode_on_tiles(dtype: torch.dtype, head_size: int, num_q_heads: int, num_kv_heads: int) -> bool:
     """Whether the native decode kernel multiplies decode rows of this dtype, head size and heads on the AMX tiles here
-    (bf16, a head size that is a multiple of 32, enough query heads a KV head for the tiles to win, the ``amx`` set, the OS's grant of the tile state; the kernel decides, see ``kunlun_decode_attention_on_tiles``)."""
+    (bf16, a head size that is a multiple of 32, enough query heads a KV head for the tiles to win, the ``amx`` set,
+    the OS's grant of the tile state; the kernel decides, see ``kunlun_decode_attention_on_tiles``)."""
     lib = cpu_native.selection().library
     return lib is not None and bool(lib.kunlun_decode_attention_on_tiles(dtype is torch.bfloat16, head_size,
                                                                          num_q_heads, num_kv_heads))
