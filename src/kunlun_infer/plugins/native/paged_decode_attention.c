@@ -477,7 +477,8 @@ static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16
                 uint32_t *vb = w->vb + (k0 / TILE_PAIR_KEYS % 2) * 4 * 256;
                 for (int g = 0; g < tiles; g++)
                     for (int j = 0; j < 16; j++)
-                        _mm512_storeu_si512(vb + (g * 16 + j) * 16, value_pair(v_cache, rows, k0 + 2 * j, len, c0 + 16 * g));
+                        _mm512_storeu_si512(vb + (g * 16 + j) * 16,
+                                            value_pair(v_cache, rows, k0 + 2 * j, len, c0 + 16 * g));
             }
         }
         const int64_t ldo = d * (int64_t)sizeof(float);
