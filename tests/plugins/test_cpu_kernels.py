@@ -770,26 +770,30 @@ def test_native_token_bitmask_forbids_exactly_what_the_reference_forbids(native_
 
 @pytest.mark.parametrize("seqs, hq, hk, d", [
     ([(1500, 1)], 8, 1, 16),  # one long context, one KV head: split among the threads
-    ([(700, 1)], 14, 2, 16),  # two items, more threads: split in uneven parts
+    ([(700, 1)], 14, 2, 16),  # two KV heads, more threads: the context in uneven parts, both heads in each
     ([(2000, 1), (5, 1), (513, 1)], 4, 1, 16),  # a context too short for every part beside long ones
     ([(1500, 1)], 8, 1, 64),  # the same with a head size the AMX tiles take in bf16
     ([(2000, 1), (5, 1), (513, 1)], 6, 1, 64),
     ([(1500, 1)], 20, 1, 64),  # two tiles of lanes, each writing its heads' parts
+    ([(300, 1)], 8, 4, 16),  # too short to split: the KV heads in runs, one thread each
+    ([(300, 1), (9, 1), (250, 1)], 12, 6, 16),  # three sequences: runs of 2 or 3 heads, or one a run
+    ([(900, 1), (40, 1), (600, 1)], 16, 8, 128),  # wide tokens: parts whose rows of every head fit half of L2
 ])
+@pytest.mark.parametrize("threads", [2, 3, 8])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_native_decode_attention_splits_long_contexts_among_more_threads_than_items(seqs, hq, hk, d, dtype, tol,
-                                                                                  native_kernel_set):
-    """With fewer (sequence, KV head) items than threads a context is split among them and the parts merged; the
-    result is the reference's, in the cache's dtype, as with one thread."""
+def test_native_decode_attention_splits_work_among_threads(seqs, hq, hk, d, threads, dtype, tol, native_kernel_set):
+    """However a step's sequences, contexts and KV heads are split among the threads (whole sequences, contexts in
+    parts merged after, KV heads in runs), the result is the reference's, in the cache's dtype, as with one
+    thread."""
     args = _batch(seqs, hq=hq, hk=hk, d=d, dtype=dtype)
-    threads = torch.get_num_threads()
+    before = torch.get_num_threads()
     try:
-        torch.set_num_threads(8)
+        torch.set_num_threads(threads)
         split = cpu_kernels.paged_attention(*args)
         torch.set_num_threads(1)
         whole = cpu_kernels.paged_attention(*args)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     assert split.dtype == dtype
     torch.testing.assert_close(split, reference.paged_attention(*args), rtol=tol, atol=tol)
     torch.testing.assert_close(split.float(), whole.float(), rtol=tol, atol=tol)

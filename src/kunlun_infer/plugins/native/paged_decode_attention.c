@@ -6,10 +6,20 @@
  * share the KV head are scaled and held in float32; each cached key is read once from its block (through
  * the block table) and scored against all of them, VLEN keys at a time (bf16 keys widened once per block where
  * there is no VDPBF16PS); a float32 softmax per query head (max, exp, sum) is followed by one pass over the
- * cached values. K/V may be bf16 or float32; arithmetic is float32. Where there are fewer items than threads (one
- * long sequence of a model with few KV heads, many cores), each context is split into parts, one item each, whose
- * unnormalised sums are merged after (Zen 4, 2 threads, one sequence of 4096 tokens with one KV head: 0.51-0.55x the
- * time of one thread doing it).
+ * cached values. K/V may be bf16 or float32; arithmetic is float32. Where the sequences alone would leave threads
+ * idle (one long sequence, many cores), or a context's rows outgrow half of L2, each context is split into parts,
+ * items of their own, whose unnormalised sums are merged after (Zen 4, 2 threads, one sequence of 4096 tokens with
+ * one KV head: 0.51-0.55x the time of one thread doing it).
+ *
+ * A thread takes the items of a sequence's KV heads one after another (see split_work): a token's rows of all its KV
+ * heads lie side by side in a block, and memory delivers the lines of the other heads beside those read, so the next
+ * head's item finds them in cache, where another thread's item had read them from memory again. Scattered 4 KiB
+ * blocks on the Xeon with AMX (2 threads) read at 22 GB/s whole, and at 11 GB/s of the bytes used where every other
+ * 128 bytes are read (one head of two). kernel_builds.py --work decode-attention there (14 / 2 heads of 64, 24 layers
+ * each with a cache of its own, blocks scattered; in turns, an A/A control of 0.93-1.05): 8 x 1024 and 32 x 1024
+ * tokens 0.87-0.88x the time in bf16 (on the tiles), 0.80-0.81x in float32, 0.85-0.86x on the avx2 set; 1 x 4096
+ * 0.85-0.90x (two parts, both heads in each, rather than one head a thread). In the engine (blocks mostly in order),
+ * a 32-row decode step at ~1000 tokens: bf16 93.8-96.6 -> 88.6-93.8 ms, float32 212.0-219.4 -> 199.9-213.7.
  */
 #include <stdint.h>
 #include <omp.h>
@@ -550,6 +560,42 @@ int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t hq, int64_t hk
 #define ONE_HEAD_OF_SIZE(D, BF16) \
     one_head(q, k_cache, v_cache, table, lo, hi, out, part, b, h, hq, hk, D, block_size, scale, work, rows, BF16)
 
+/* How the step's work is split among `threads` threads: each sequence's context into `parts`, each part's KV heads
+ * into runs of `heads` heads that one thread takes in turn. A part's rows of every KV head (`token_bytes` a token, K
+ * and V) fit half of L2, else the next head's item no longer finds them there (against the way before: 4 KV heads of
+ * 128 at 8 x 1024 tokens 0.86-0.90x the time, 0.93-0.95x in whole contexts; 2 x 4096 tokens of 14 / 2 heads
+ * 0.78-0.79x, 0.90-0.97x whole; 8 KV heads of 128 0.94-0.95x either way); no part is shorter than PART_TOKENS.
+ * Whole sequences where their number keeps the threads busy evenly; else contexts split into the fewest parts that
+ * do, a sequence's heads still together; else (short contexts) the heads split too. */
+typedef struct {
+    int64_t parts, heads;
+} work_split;
+
+/* whether `items` equal items keep `threads` threads even: the busiest within 1.25x of the mean */
+INLINE int evenly(int64_t items, int64_t threads) { return (items + threads - 1) / threads * threads * 4 <= items * 5; }
+
+static work_split split_work(int64_t batch, int64_t hk, int64_t longest, int64_t threads, int64_t token_bytes) {
+    work_split split = {1, hk};
+    const int64_t most = longest / PART_TOKENS < MAX_PARTS ? longest / PART_TOKENS : MAX_PARTS;
+    int64_t fit = kunlun_l2_bytes / 2 / token_bytes;
+    fit = fit > PART_TOKENS ? fit : PART_TOKENS;
+    int64_t least = (longest + fit - 1) / fit;
+    least = least < most ? least : most;
+    split.parts = least > 1 ? least : 1;
+    if (evenly(batch * split.parts, threads)) return split;
+    for (int64_t parts = split.parts + 1; parts <= most; parts++) {
+        split.parts = parts;
+        if (evenly(batch * parts, threads)) return split;
+    }
+    split.heads = 1;
+    for (int64_t runs = 2; runs < hk; runs++)
+        if (hk % runs == 0 && evenly(batch * split.parts * runs, threads)) {
+            split.heads = hk / runs;
+            break;
+        }
+    return split;
+}
+
 /*
  * q, out: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]; block_tables: [B, table_stride]
  * int32; seq_lens: [B] int32 (context length including the query token). D % 16 == 0; all in the dtype
@@ -570,17 +616,11 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
         }
         longest = len > longest ? len : longest;
     }
-    /* Fewer (sequence, KV head) items than threads (one long sequence, few KV heads, many cores): each context is
-     * split into parts of PART_TOKENS or more, one item each, merged after */
-    const int64_t group = hq / hk, items = batch * hk, threads = omp_get_max_threads();
-    int64_t parts = 1;
-    if (items < threads && longest >= 2 * PART_TOKENS) {
-        parts = (threads + items - 1) / items;
-        parts = parts < longest / PART_TOKENS ? parts : longest / PART_TOKENS;
-        parts = parts < MAX_PARTS ? parts : MAX_PARTS;
-    }
+    const int64_t group = hq / hk;
+    const work_split split = split_work(batch, hk, longest, omp_get_max_threads(), 2 * hk * d * (bf16 ? 2 : 4));
+    const int64_t parts = split.parts, runs = hk / split.heads;
     const int64_t span = (longest + parts - 1) / parts, part_floats = group * (d + 2);
-    float *partial = parts > 1 ? (float *)malloc(sizeof(float) * items * parts * part_floats) : NULL;
+    float *partial = parts > 1 ? (float *)malloc(sizeof(float) * batch * hk * parts * part_floats) : NULL;
     if (parts > 1 && partial == NULL) return -1;
     const int64_t per_item = group * d + VLEN * d + group * d + group * span;
     int failed = 0;
@@ -600,33 +640,35 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
         if (!ready) failed = 1;
         #pragma omp for collapse(3) schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; b++)
-            for (int64_t h = 0; h < hk; h++)
+            for (int64_t run = 0; run < runs; run++)
                 for (int64_t i = 0; i < parts; i++) {
                     if (!ready) continue;
                     const int32_t *table = block_tables + b * table_stride;
                     const int64_t len = seq_lens[b], each = (len + parts - 1) / parts;
                     const int64_t lo = i * each < len ? i * each : len, hi = lo + each < len ? lo + each : len;
-                    float *part = parts > 1 ? partial + ((b * hk + h) * parts + i) * part_floats : NULL;
-                    if (lo == hi) {  /* a short context: nothing in this part */
-                        for (int64_t g = 0; g < group; g++) part[group * d + group + g] = 0.0f;
-                        continue;
-                    }
+                    for (int64_t h = run * split.heads; h < (run + 1) * split.heads; h++) {
+                        float *part = parts > 1 ? partial + ((b * hk + h) * parts + i) * part_floats : NULL;
+                        if (lo == hi) {  /* a short context: nothing in this part */
+                            for (int64_t g = 0; g < group; g++) part[group * d + group + g] = 0.0f;
+                            continue;
+                        }
 #if DECODE_TILES
-                    if (tiles) {
-                        token_rows(table, lo, hi, h, hk, d, block_size, rows);
-                        tiles_head((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, hi - lo,
-                                   rows, hk * d, out, part, b, h, hq, hk, d, scale, &tw);
-                        continue;
-                    }
+                        if (tiles) {
+                            token_rows(table, lo, hi, h, hk, d, block_size, rows);
+                            tiles_head((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                                       hi - lo, rows, hk * d, out, part, b, h, hq, hk, d, scale, &tw);
+                            continue;
+                        }
 #endif
-                    if (VLEN == 8 && bf16 && d == 64)  /* see ONE_HEAD_OF_SIZE */
-                        ONE_HEAD_OF_SIZE(64, 1);
-                    else if (VLEN == 8 && bf16 && d == 128)
-                        ONE_HEAD_OF_SIZE(128, 1);
-                    else if (bf16)
-                        ONE_HEAD_OF_SIZE(d, 1);
-                    else
-                        ONE_HEAD_OF_SIZE(d, 0);
+                        if (VLEN == 8 && bf16 && d == 64)  /* see ONE_HEAD_OF_SIZE */
+                            ONE_HEAD_OF_SIZE(64, 1);
+                        else if (VLEN == 8 && bf16 && d == 128)
+                            ONE_HEAD_OF_SIZE(128, 1);
+                        else if (bf16)
+                            ONE_HEAD_OF_SIZE(d, 1);
+                        else
+                            ONE_HEAD_OF_SIZE(d, 0);
+                    }
                 }
         if (parts > 1) {
             #pragma omp for collapse(2) schedule(static)
