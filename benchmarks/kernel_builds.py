@@ -35,7 +35,7 @@ Work:
 - ``decode-attention``: ``kunlun_paged_decode_attention`` as one decode step
   calls it (24 layers each with a cache of its own, blocks scattered), at
   ``DECODE_SHAPES``: the 0.5B model's heads (14 query heads over 2 KV heads),
-  and one sequence of a model with a single KV head, fewer items than threads.
+  and one sequence of a model with a single KV head, split among the threads.
 
 Example::
 
