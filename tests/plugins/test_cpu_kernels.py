@@ -83,12 +83,12 @@ def test_bf16_prompts_multiply_on_the_amx_tiles_where_granted(native_kernel_set)
 def test_bf16_decode_rows_multiply_on_the_amx_tiles_where_granted(native_kernel_set):
     """The decode kernel takes bf16 rows of a head size that is a multiple of 32 to the AMX tiles exactly where the
     ``amx`` set runs and the OS granted the tile state, and where a KV head has enough query heads for the tiles to
-    win (6 or more; 8 where a token's rows of every KV head span more than 1 KiB); the others stay on the vector
-    units. (The tests around check either way against the reference on every kernel set this CPU runs.)"""
+    win (6 or more); the others stay on the vector units. (The tests around check either way against the reference
+    on every kernel set this CPU runs.)"""
     granted = native_kernel_set == "amx" and bool(cpu_native.selection().library.kunlun_amx_tiles())
-    for d, hq, hk in ((64, 14, 2), (128, 16, 1), (32, 6, 1), (128, 64, 8), (256, 32, 4), (64, 71, 1)):
+    for d, hq, hk in ((64, 14, 2), (128, 16, 1), (32, 6, 1), (128, 48, 8), (256, 32, 4), (64, 71, 1)):
         assert cpu_attention.decode_on_tiles(torch.bfloat16, d, hq, hk) == granted
-    for d, hq, hk in ((64, 8, 2), (128, 48, 8), (48, 14, 2)):  # too few, too few for wide rows, head size
+    for d, hq, hk in ((64, 8, 2), (128, 40, 8), (48, 14, 2)):  # too few query heads (twice), head size
         assert not cpu_attention.decode_on_tiles(torch.bfloat16, d, hq, hk)
     assert not cpu_attention.decode_on_tiles(torch.float32, 64, 14, 2)
 
@@ -100,6 +100,7 @@ def test_bf16_decode_rows_multiply_on_the_amx_tiles_where_granted(native_kernel_
     (7, 1, 32, 5),  # blocks shorter than a tile: keys gathered
     (17, 1, 64, 16),  # more query heads than a tile holds: two tiles of lanes, the second of one head
     (40, 1, 64, 16),  # three tiles of lanes
+    (48, 8, 128, 16),  # 8 KV heads of 128, six query heads each: tiles of lanes six wide
     (4, 2, 64, 16),  # too few query heads a KV head for the tiles: the vector kernel
 ])
 def test_native_decode_attention_in_bf16_matches_reference_in_place_and_gathered(hq, hk, d, block_size,

@@ -21,8 +21,8 @@ whose flash attention multiplies on the tiles too and which took long bf16
 prompts there before (a bf16 prefill of the 0.5B model in the engine, in
 turns against that: 1.04x at 256 tokens, 1.10x at 1024, 1.23x at 2048).
 bf16 decode rows multiply there as well where a KV head has enough query
-heads for the tiles to win (:func:`decode_on_tiles`: 6 or more, 8 where a
-token's rows are wide; a head size that is a multiple of 32): a
+heads for the tiles to win (:func:`decode_on_tiles`: 6 or more; a head
+size that is a multiple of 32): a
 decode step's attention 0.71-0.75x the time at 8 x 1024 and 32 x 1024
 tokens.
 Without the native kernels (no library, fp16, head size not a multiple of

@@ -528,24 +528,22 @@ static void tiles_head(const uint16_t *q, const uint16_t *k_cache, const uint16_
 #endif
 
 /* The fewest query heads a KV head for which the tiles beat the vector kernel: their work a key hardly grows with the
- * heads (a tile has 16 lanes), the vector kernel's grows with each. Where a token's rows of every KV head span more
- * than WIDE_TOKEN_BYTES the tiles read a cold context slower and need more heads to win. The Xeon with AMX, 4 x 1024
- * tokens, 24 layers, against the vector kernel: 2 KV heads of 64, 4 query heads each 1.08x the time, 6 0.88x, 8
- * 0.79x, 16 0.49x; 2 of 128, 4 0.87x, 6 0.83x; 8 of 64, 4 1.04x, 6 0.94x, 8 0.82x; 8 of 128, 4 1.24x, 6 1.10x,
- * 8 0.97x, 12 0.81x, 16 0.69x. More than 16 take a pass for each tile of lanes: at 8 x 1024, one KV head of 17, 32,
- * 48 and 71 query heads, 0.55-0.58x, 0.41x, 0.34x and 0.32x the time. */
+ * heads (a tile has 16 lanes), the vector kernel's grows with each. The Xeon with AMX, 4 x 1024 tokens, 24 layers,
+ * against the vector kernel: 2 KV heads of 64, 4 query heads each 1.08x the time, 6 0.88x, 8 0.79x, 16 0.49x; 2 of
+ * 128, 4 0.87x, 6 0.83x; 8 of 64, 4 1.04x, 6 0.94x, 8 0.82x. With 8 KV heads of 128 the tiles had needed 8 (4 1.24x,
+ * 6 1.10x, 8 0.97x) while each head's item read its rows apart from the others' (split_work); since a sequence's
+ * heads run in turn, 8 x 1024 tokens: 4 query heads 0.97x, 6 0.89x, 7 0.79x, and 1 x 4096 at 6 0.84x (4 KV heads of
+ * 64: 4 1.03x, 5 1.00x). More than 16 take a pass for each tile of lanes: at 8 x 1024, one KV head of 17, 32, 48 and
+ * 71 query heads, 0.55-0.58x, 0.41x, 0.34x and 0.32x the time. */
 #define TILES_MIN_GROUP 6
-#define TILES_MIN_GROUP_WIDE 8
-#define WIDE_TOKEN_BYTES 1024
 
 /* 1 when decode attention of this dtype (bf16: 1), head size and heads (hq query heads over hk KV heads) runs on the
- * AMX tiles here (tiles_head): bf16, d a multiple of 32, TILES_MIN_GROUP (or TILES_MIN_GROUP_WIDE) query heads a KV
- * head or more, the tiles built in and granted by the OS; else 0 (one_head) */
+ * AMX tiles here (tiles_head): bf16, d a multiple of 32, TILES_MIN_GROUP query heads a KV head or more, the tiles built
+ * in and granted by the OS; else 0 (one_head) */
 int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t hq, int64_t hk) {
 #if DECODE_TILES
     const int64_t group = hk > 0 ? hq / hk : 0;
-    const int64_t least = hk * d * 2 > WIDE_TOKEN_BYTES ? TILES_MIN_GROUP_WIDE : TILES_MIN_GROUP;
-    return bf16 && d % 32 == 0 && group >= least && kunlun_amx_tiles();
+    return bf16 && d % 32 == 0 && group >= TILES_MIN_GROUP && kunlun_amx_tiles();
 #else
     (void)bf16, (void)d, (void)hq, (void)hk;
     return 0;
