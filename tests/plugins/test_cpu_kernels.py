@@ -776,8 +776,8 @@ def test_native_token_bitmask_forbids_exactly_what_the_reference_forbids(native_
     ([(1500, 1)], 8, 1, 64),  # the same with a head size the AMX tiles take in bf16
     ([(2000, 1), (5, 1), (513, 1)], 6, 1, 64),
     ([(1500, 1)], 20, 1, 64),  # two tiles of lanes, each writing its heads' parts
-    ([(300, 1)], 8, 4, 16),  # too short to split: the KV heads in runs, one thread each
-    ([(300, 1), (9, 1), (250, 1)], 12, 6, 16),  # three sequences: runs of 2 or 3 heads, or one a run
+    ([(300, 1)], 8, 4, 16),  # too short to split: the KV heads in runs of 2 (2 threads), or one a thread
+    ([(300, 1), (9, 1), (250, 1)], 12, 6, 16),  # three sequences: runs of 3 heads, whole sequences, one head a run
     ([(900, 1), (40, 1), (600, 1)], 16, 8, 128),  # wide tokens: parts whose rows of every head fit half of L2
 ])
 @pytest.mark.parametrize("threads", [2, 3, 8])
