@@ -302,9 +302,9 @@ INLINE void merge_parts(const float *parts_data, int64_t parts, int64_t group, i
 #include "amx.h"
 #define DECODE_TILES 1
 /*
- * Decode attention on the AMX tiles (bf16, head size a multiple of 32, 6 or 8 query heads a KV head or more:
- * kunlun_decode_attention_on_tiles). One work item as one_head's, its query heads the lanes of a tile (16 at a time,
- * each tile of lanes a pass over the item's keys and values):
+ * Decode attention on the AMX tiles (bf16, head size a multiple of 32, TILES_MIN_GROUP query heads a KV head or
+ * more: kunlun_decode_attention_on_tiles). One work item as one_head's, its query heads the lanes of a tile (16 at a
+ * time, each tile of lanes a pass over the item's keys and values):
  * - the scores S^T = K Q^T: 16 keys' rows as an A tile, loaded in place from the cache where the 16 are hk_stride
  *   apart (one block), else gathered; the queries' bf16 pairs [d / 2][16] as B tiles; 64 keys a turn in four sum
  *   tiles, so that four chains of products are in flight;
