@@ -779,6 +779,10 @@ def test_native_token_bitmask_forbids_exactly_what_the_reference_forbids(native_
     ([(300, 1)], 8, 4, 16),  # too short to split: the KV heads in runs of 2 (2 threads), or one a thread
     ([(300, 1), (9, 1), (250, 1)], 12, 6, 16),  # three sequences: runs of 3 heads, whole sequences, one head a run
     ([(900, 1), (40, 1), (600, 1)], 16, 8, 128),  # wide tokens: parts whose rows of every head fit half of L2
+    # many items a thread: with AVX-512 each thread claims its next item as it starts one (asking for its rows), and
+    # one at a time once fewer are left than threads
+    ([(7 + 37 * i % 400, 1) for i in range(34)], 14, 2, 64),
+    ([(3 + 53 * i % 700, 1) for i in range(34)], 8, 2, 128),  # the longer contexts in parts
 ])
 @pytest.mark.parametrize("threads", [2, 3, 8])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -20,6 +20,15 @@
  * tokens 0.87-0.88x the time in bf16 (on the tiles), 0.80-0.81x in float32, 0.85-0.86x on the avx2 set; 1 x 4096
  * 0.85-0.90x (two parts, both heads in each, rather than one head a thread). In the engine (blocks mostly in order),
  * a 32-row decode step at ~1000 tokens: bf16 93.8-96.6 -> 88.6-93.8 ms, float32 212.0-219.4 -> 199.9-213.7.
+ *
+ * Even so, a sequence's first KV head waited on memory while the second ran from L2 and memory waited: the step's
+ * compute and its reads took turns (the Xeon with AMX, 32 x 1000 tokens in bf16: ~15 ms of work with every context in
+ * L2, ~18 ms to read the contexts at 22 GB/s, ~31 ms in all). With AVX-512 and enough items a thread, each thread
+ * now claims its next item as it starts one and asks for that item's rows while it works (next_rows), in parts of
+ * an eighth of L2 so that both fit. The Xeon with AMX, in turns against the code before (blocks in order, as the
+ * engine's): bf16 on the tiles 0.83-0.86x the time at 32 x 1000, 0.79-0.80x at 8 x 2000, 0.92-0.94x at 1 x 4096
+ * (scattered blocks 0.97x); in the engine a 32-row bf16 step at ~1000 tokens 89.4-92.3 -> 80.9-83.7 ms, 8 rows at
+ * ~2000 tokens 67.1-67.7 -> 60.8-61.5.
  */
 #include <stdint.h>
 #include <omp.h>
@@ -47,9 +56,18 @@
  * four passes, which had each read it from the second level again (Zen 4, in turns, 0.80-0.92x the time for 1 x 4096
  * tokens, 0.92-0.97x for 8 x 1024; within the host's noise with AVX-512, whose two passes read a line each) */
 #define VALUES_TILE 64
+/* tokens of a pass over the values between two asks for the next item's rows (next_rows) */
+#define VALUES_ASK_TOKENS 4
 /* the fewest tokens of a context split among threads, and the most parts it is split into */
 #define PART_TOKENS 256
 #define MAX_PARTS 256
+/* Where a step has PIPELINE_ITEMS items a thread or more, each part's rows of every KV head fit 1 / PIPELINE_SHARE of
+ * L2 and a thread asks for the rows of the item it takes next while it works on one (see next_rows). With AVX-512
+ * only: with AVX2 the kernel's work a key, not memory, bounds it (the Xeon with AMX capped to avx2, in turns: bf16
+ * 1.00x the time at 32 x 1000 tokens, 1.06-1.13x at 8 x 256 and 1 x 4096; float32 0.96-0.98x at 8-32 x 1000-2000). */
+#define PIPELINE_SHARE 8
+#define PIPELINE_ITEMS 4
+#define PIPELINING (VLEN == 16)
 
 /* With AVX2, bf16 rows are widened 16 values at a time by two unpacks (vf_load_bf16_pair), in the order those give
  * them: the query and the keys alike, so that their dot products sum the same products, and the values' weighted
@@ -84,19 +102,68 @@ INLINE void ask_row(const void *cache, int64_t row, int64_t d, const int bf16) {
         _mm_prefetch((const char *)cache + row * size + byte, _MM_HINT_T1);
 }
 
+/*
+ * The K and V lines of the item a thread takes next, asked for into L2 a share at a time while it works on the item
+ * before: every line of the next item's tokens' rows of all KV heads, block by block, spread evenly over the `calls`
+ * calls of ask_next that the item before makes. A step's items then find their rows in L2, and memory streams the
+ * next one's meanwhile: where each item asked only for its own rows a little ahead, memory waited while a
+ * sequence's second KV head ran from L2, and the first waited on memory. A software ask holds one of the core's few
+ * first-level miss buffers until memory answers, so the asks go one or two at a time between the kernel's steps,
+ * not in bursts.
+ */
+typedef struct {
+    const char *k, *v;
+    const int32_t *table; /* the next item's block table; NULL: nothing to ask for */
+    int64_t block_size, token_bytes, hi;
+    int64_t block, off, end;      /* bytes [off, end) of the table's block `block` are still to be asked for */
+    int64_t lines, calls, credit; /* lines (of K, and as many of V) in all, and their spread over the calls */
+} next_rows;
+
+/* Start asking for tokens [lo, hi) (lo < hi) of the item with block table `table`, over `calls` calls. */
+INLINE void next_rows_start(next_rows *n, const int32_t *table, int64_t lo, int64_t hi, int64_t calls) {
+    const int64_t first_end = (lo / n->block_size + 1) * n->block_size;
+    n->table = table;
+    n->hi = hi;
+    n->block = lo / n->block_size;
+    n->off = (lo - n->block * n->block_size) * n->token_bytes;
+    n->end = ((hi < first_end ? hi : first_end) - n->block * n->block_size) * n->token_bytes;
+    n->lines = ((hi - lo) * n->token_bytes + 63) / 64;
+    n->calls = calls > 0 ? calls : 1;
+    n->credit = 0;
+}
+
+/* this call's share of the next item's lines, one line of K and one of V at a time (none with `n` NULL, where the
+ * split is not pipelined: the kernels' loops are built without asks then) */
+INLINE void ask_next(next_rows *n) {
+    if (n == NULL || n->table == NULL) return;
+    for (n->credit += n->lines; n->credit >= n->calls && n->off < n->end; n->credit -= n->calls) {
+        const int64_t at = (int64_t)n->table[n->block] * n->block_size * n->token_bytes + n->off;
+        _mm_prefetch(n->k + at, _MM_HINT_T1);
+        _mm_prefetch(n->v + at, _MM_HINT_T1);
+        n->off += 64;
+        if (n->off >= n->end) {  /* the next block, if any tokens are left */
+            n->block++;
+            const int64_t left = n->hi - n->block * n->block_size;
+            n->off = 0;
+            n->end = (left < n->block_size ? (left > 0 ? left : 0) : n->block_size) * n->token_bytes;
+        }
+    }
+}
+
 /* The accumulators of one pass below, held in registers: the head and chunk counts are constants here. Tokens
  * [t0, t1) of `len`; the sums start from `sums` (float32, laid out as out) unless t0 is 0, and go to `sums` unless
  * t1 is len, where they are written to out. */
 INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, const float *p, int64_t len,
                                   int64_t t0, int64_t t1, float *sums, int64_t feature, void *out, int64_t at,
                                   int64_t d, const int heads, const int nchunks, const int bf16, const int ask,
-                                  const int obf16) {
+                                  const int obf16, next_rows *nx) {
     vf acc[MAX_GROUP][VALUE_CHUNKS];
     UNROLL for (int g = 0; g < heads; g++)
         UNROLL for (int c = 0; c < nchunks; c++)
             acc[g][c] = t0 == 0 ? vf_zero() : vf_loadu(sums + g * d + feature + VLEN * c);
     for (int64_t t = t0; t < t1; t++) {
         if (ask && t + VALUES_AHEAD < len) ask_row(v_cache, rows[t + VALUES_AHEAD], d, bf16);  /* the first pass */
+        if ((t - t0) % VALUES_ASK_TOKENS == 0) ask_next(nx);
         vf v[VALUE_CHUNKS];
         if (PAIRED && bf16 && nchunks == 2)
             vf_load_bf16_pair((const uint16_t *)v_cache + rows[t] + feature, &v[0], &v[1]);
@@ -123,20 +190,28 @@ INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, cons
 
 #define VALUES_CASE(H)                                                                                                \
     case H:                                                                                                           \
-        weighted_values_fixed(v_cache, rows, p, len, t0, t1, sums, feature, out, at, d, H, nchunks, bf16, ask, obf16); \
+        weighted_values_fixed(v_cache, rows, p, len, t0, t1, sums, feature, out, at, d, H, nchunks, bf16, ask, obf16, \
+                              nx);                                                                                    \
         break;
 
 /* out[at + g * d + f] = sum_t p[g * len + t] * V[t][feature + f] for g < heads, f < nchunks * VLEN, over tokens
  * [t0, t1) (see weighted_values_fixed) */
 INLINE void weighted_values(const void *v_cache, const int64_t *rows, const float *p, int64_t len, int64_t t0,
                             int64_t t1, float *sums, int64_t feature, void *out, int64_t at, int64_t d, int64_t heads,
-                            const int nchunks, const int bf16, const int ask, const int obf16) {
+                            const int nchunks, const int bf16, const int ask, const int obf16, next_rows *nx) {
     switch (heads) {
         VALUES_CASE(1) VALUES_CASE(2) VALUES_CASE(3) VALUES_CASE(4)
 #if MAX_GROUP > 4
         VALUES_CASE(5) VALUES_CASE(6) VALUES_CASE(7) VALUES_CASE(8)
 #endif
     }
+}
+
+/* Tokens [lo, hi) of part i of `parts` of a context of `len` (empty where a short context has no such part) */
+INLINE void part_tokens(int64_t len, int64_t parts, int64_t i, int64_t *lo, int64_t *hi) {
+    const int64_t each = (len + parts - 1) / parts;
+    *lo = i * each < len ? i * each : len;
+    *hi = *lo + each < len ? *lo + each : len;
 }
 
 /* where each cached token's K/V row of head h starts (elements), tokens [lo, hi) into rows[0 ..]: looked up once
@@ -150,13 +225,24 @@ INLINE void token_rows(const int32_t *table, int64_t lo, int64_t hi, int64_t h, 
     }
 }
 
+/* The calls of ask_next that one_head makes for an item of `len` tokens: one per VLEN keys scored, and one per token of
+ * each pass over the values. */
+INLINE int64_t one_head_asks(int64_t len, int64_t d, int64_t group) {
+    const int64_t chunks = d / VLEN;
+    return (len + VLEN - 1) / VLEN +
+           (len + VALUES_TILE - 1) / VALUES_TILE * (VALUES_TILE / VALUES_ASK_TOKENS) *
+               ((chunks + VALUE_CHUNKS - 1) / VALUE_CHUNKS) * ((group + MAX_GROUP - 1) / MAX_GROUP);
+}
+
 /* One work item: the query heads of KV head h of sequence b over its cached tokens [lo, hi). With `part` NULL the
  * normalised outputs go to out (in the cache's dtype); else (a part of a context split among threads) the sums of
  * e^(score - top) * value go to part as float32 [group][d], followed by each head's top score and sum of
- * e^(score - top) (see merge_parts). */
+ * e^(score - top) (see merge_parts). With `ask_own` the item asks for its own rows ahead of it (else the item before
+ * asked for them); it asks for a share of the next item's through `nx` as it goes. */
 INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int64_t lo,
                      int64_t hi, void *out, float *part, int64_t b, int64_t h, int64_t hq, int64_t hk, int64_t d,
-                     int64_t block_size, float scale, float *work, int64_t *rows, const int bf16) {
+                     int64_t block_size, float scale, float *work, int64_t *rows, const int bf16, const int ask_own,
+                     next_rows *nx) {
     const int64_t group = hq / hk, chunks = d / VLEN, len = hi - lo;
     float *qf = work, *kf = work + group * d, *vsum = kf + VLEN * d, *scores = vsum + group * d;
     token_rows(table, lo, hi, h, hk, d, block_size, rows);
@@ -166,8 +252,9 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
         const int64_t tn = len - t0 < VLEN ? len - t0 : VLEN;
         /* the keys' rows AHEAD tokens on, scattered over the cache's blocks, are asked for now: the hardware
          * prefetchers do not follow them, and a step's cache is in no cache level by the next step */
-        for (int64_t t = t0 == 0 ? 0 : t0 + AHEAD; t < t0 + VLEN + AHEAD && t < len; t++)
+        for (int64_t t = t0 == 0 ? 0 : t0 + AHEAD; ask_own && t < t0 + VLEN + AHEAD && t < len; t++)
             ask_row(k_cache, rows[t], d, bf16);
+        ask_next(nx);
         /* the block's keys, past the context's end the last one again (those scores are not stored): a whole block
          * of sums in registers, where a loop to the block's length had kept them in memory (1.16-1.25x the time) */
         int64_t key[VLEN];
@@ -253,13 +340,13 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
                 const float *p = scores + g0 * len;
                 float *sums = vsum + g0 * d;
                 void *dst = part != NULL ? (void *)part : out;
-                const int ask = c == 0 && g0 == 0, obf16 = part == NULL && bf16;
+                const int ask = ask_own && c == 0 && g0 == 0, obf16 = part == NULL && bf16;
                 if (chunks - c < VALUE_CHUNKS)
                     weighted_values(v_cache, rows, p, len, t0, t1, sums, VLEN * c, dst, at, d, gn, 1, bf16, ask,
-                                    obf16);
+                                    obf16, nx);
                 else
                     weighted_values(v_cache, rows, p, len, t0, t1, sums, VLEN * c, dst, at, d, gn, VALUE_CHUNKS, bf16,
-                                    ask, obf16);
+                                    ask, obf16, nx);
             }
     }
 }
@@ -363,11 +450,19 @@ INLINE __m512i value_pair(const uint16_t *v_cache, const int64_t *rows, int64_t 
     return bf16_pairs(lo, hi);
 }
 
-/* tiles_head for query heads lane0 .. lane0 + 16 of the group (one tile of lanes); the first tile of lanes asks for
- * the rows ahead, the others find them in L2 */
+/* The calls of ask_next that tiles_head makes for an item of `len` tokens, per tile of lanes: one per score product's
+ * step (four a turn of 64 keys and 32 features), one per 32 keys' probabilities, one per B tile of value pairs. */
+static int64_t tiles_head_asks(int64_t len, int64_t d, int64_t group) {
+    const int64_t turns = (len + TILE_PAIR_KEYS - 1) / TILE_PAIR_KEYS; /* of 32 keys */
+    return (group + TILE_LANES - 1) / TILE_LANES * ((len + 63) / 64 * 4 * (d / 32) + turns + turns * (d / 16));
+}
+
+/* tiles_head for query heads lane0 .. lane0 + 16 of the group (one tile of lanes); with `ask_own`, the first tile of
+ * lanes asks for the rows ahead, and the others find them in L2 */
 static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t len,
                         const int64_t *rows, int64_t hk_stride, void *out, float *part, int64_t b, int64_t h,
-                        int64_t hq, int64_t hk, int64_t d, float scale, int64_t lane0, decode_scratch *w) {
+                        int64_t hq, int64_t hk, int64_t d, float scale, int64_t lane0, decode_scratch *w,
+                        const int ask_own, next_rows *nx) {
     const int64_t group = hq / hk, padded = (len + TILE_PAIR_KEYS - 1) / TILE_PAIR_KEYS * TILE_PAIR_KEYS;
     const int64_t lanes = group - lane0 < TILE_LANES ? group - lane0 : TILE_LANES, head0 = h * group + lane0;
     /* the queries' pairs of features: B-tile row c2 holds word c2 of each lane's query, lanes past the heads zero */
@@ -377,7 +472,7 @@ static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16
     /* S^T, 64 keys a turn in four sum tiles (0-3, free until the values), so that four chains of products are in
      * flight; keys past the context score against zero rows (never used) */
     for (int64_t t0 = 0; t0 < len; t0 += 64) {
-        for (int64_t t = t0 == 0 ? 0 : t0 + AHEAD; lane0 == 0 && t < t0 + 64 + AHEAD && t < len; t++) {
+        for (int64_t t = t0 == 0 ? 0 : t0 + AHEAD; ask_own && lane0 == 0 && t < t0 + 64 + AHEAD && t < len; t++) {
             ask_row(k_cache, rows[t], d, 1);
             ask_row(v_cache, rows[t], d, 1);
         }
@@ -409,6 +504,7 @@ static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16
         for (int64_t c = 0; c < d; c += 32) {
             _tile_loadd(6, w->qt2 + c / 2 * TILE_LANES, 64);
 #define SCORE_GROUP(G, A)                                \
+    ask_next(nx);                                        \
     if (t0 + 16 * (G) < len) {                           \
         _tile_loadd(A, keys[G] + c, ldk[G]);             \
         _tile_dpbf16ps(G, A, 6);                         \
@@ -437,6 +533,7 @@ static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16
     const __m512 top = _mm512_mul_ps(_mm512_max_ps(m0, m1), sc);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
     for (int64_t k0 = 0; k0 < padded; k0 += TILE_PAIR_KEYS) {
+        ask_next(nx);
         __m512i r[16];
         for (int j = 0; j < 16; j++) {
             const int64_t k = k0 + 2 * j;
@@ -485,10 +582,12 @@ static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16
             }
             if (k0 < padded) {
                 uint32_t *vb = w->vb + (k0 / TILE_PAIR_KEYS % 2) * 4 * 256;
-                for (int g = 0; g < tiles; g++)
+                for (int g = 0; g < tiles; g++) {
+                    ask_next(nx);
                     for (int j = 0; j < 16; j++)
                         _mm512_storeu_si512(vb + (g * 16 + j) * 16,
                                             value_pair(v_cache, rows, k0 + 2 * j, len, c0 + 16 * g));
+                }
             }
         }
         const int64_t ldo = d * (int64_t)sizeof(float);
@@ -519,9 +618,10 @@ static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16
  * query heads of the group 16 at a time */
 static void tiles_head(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int64_t len,
                        const int64_t *rows, int64_t hk_stride, void *out, float *part, int64_t b, int64_t h, int64_t hq,
-                       int64_t hk, int64_t d, float scale, decode_scratch *w) {
+                       int64_t hk, int64_t d, float scale, decode_scratch *w, const int ask_own, next_rows *nx) {
     for (int64_t lane0 = 0; lane0 < hq / hk; lane0 += TILE_LANES)
-        tiles_lanes(q, k_cache, v_cache, len, rows, hk_stride, out, part, b, h, hq, hk, d, scale, lane0, w);
+        tiles_lanes(q, k_cache, v_cache, len, rows, hk_stride, out, part, b, h, hq, hk, d, scale, lane0, w, ask_own,
+                    nx);
 }
 #else
 #define DECODE_TILES 0
@@ -555,8 +655,9 @@ int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t hq, int64_t hk
  * the 0.5B model's step (14 / 2 heads of 64) 0.87-0.94x the time at 8 x 256 and 8 x 1024 tokens and 0.92-0.93x at
  * 1 x 4096 (one KV head of 8: 0.95-1.02x). Float32 caches (0.97-1.08x) and AVX-512 (0.96-1.07x) gained nothing from
  * it and keep one body. */
-#define ONE_HEAD_OF_SIZE(D, BF16) \
-    one_head(q, k_cache, v_cache, table, lo, hi, out, part, b, h, hq, hk, D, block_size, scale, work, rows, BF16)
+#define ONE_HEAD_OF_SIZE(D, BF16, PIPELINED)                                                                  \
+    one_head(q, k_cache, v_cache, table, lo, hi, out, part, b, h, hq, hk, D, block_size, scale, work, rows, BF16, \
+             PIPELINED ? ask_own : 1, PIPELINED ? &nx : NULL)
 
 /* How the step's work is split among `threads` threads: each sequence's context into `parts`, each part's KV heads
  * into runs of `heads` heads that one thread takes in turn. A part's rows of every KV head (`token_bytes` a token, K
@@ -564,18 +665,24 @@ int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t hq, int64_t hk
  * 128 at 8 x 1024 tokens 0.86-0.90x the time, 0.93-0.95x in whole contexts; 2 x 4096 tokens of 14 / 2 heads
  * 0.78-0.79x, 0.90-0.97x whole; 8 KV heads of 128 0.94-0.95x either way); no part is shorter than PART_TOKENS.
  * Whole sequences where their number keeps the threads busy evenly; else contexts split into the fewest parts that
- * do, a sequence's heads still together; else (short contexts) the heads split too. */
+ * do, a sequence's heads still together; else (short contexts) the heads split too. Pipelined (see PIPELINE_SHARE)
+ * where parts of an eighth of L2 give every thread PIPELINE_ITEMS items or more, each of all the KV heads (the Xeon
+ * with AMX, in parts of a quarter rather than an eighth: 0.95-0.96x the time at 32 x 1000 tokens, 0.90-0.92x at
+ * 8 x 2000, against 0.91x and 0.85-0.87x); else as before, within half of L2. */
 typedef struct {
     int64_t parts, heads;
+    int pipelined; /* each thread asks for its next item's rows while it works on one (next_rows) */
 } work_split;
 
 /* whether `items` equal items keep `threads` threads even: the busiest within 1.25x of the mean */
 INLINE int evenly(int64_t items, int64_t threads) { return (items + threads - 1) / threads * threads * 4 <= items * 5; }
 
-static work_split split_work(int64_t batch, int64_t hk, int64_t longest, int64_t threads, int64_t token_bytes) {
-    work_split split = {1, hk};
+/* split_work's ways, the parts' rows of every KV head within `budget` bytes */
+static work_split split_within(int64_t batch, int64_t hk, int64_t longest, int64_t threads, int64_t token_bytes,
+                               int64_t budget) {
+    work_split split = {1, hk, 0};
     const int64_t most = longest / PART_TOKENS < MAX_PARTS ? longest / PART_TOKENS : MAX_PARTS;
-    int64_t fit = kunlun_l2_bytes / 2 / token_bytes;
+    int64_t fit = budget / token_bytes;
     fit = fit > PART_TOKENS ? fit : PART_TOKENS;
     int64_t least = (longest + fit - 1) / fit;
     least = least < most ? least : most;
@@ -592,6 +699,12 @@ static work_split split_work(int64_t batch, int64_t hk, int64_t longest, int64_t
             break;
         }
     return split;
+}
+
+static work_split split_work(int64_t batch, int64_t hk, int64_t longest, int64_t threads, int64_t token_bytes) {
+    work_split split = split_within(batch, hk, longest, threads, token_bytes, kunlun_l2_bytes / PIPELINE_SHARE);
+    split.pipelined = PIPELINING && split.heads == hk && batch * split.parts >= PIPELINE_ITEMS * threads;
+    return split.pipelined ? split : split_within(batch, hk, longest, threads, token_bytes, kunlun_l2_bytes / 2);
 }
 
 /*
@@ -623,6 +736,8 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
     const int64_t per_item = group * d + VLEN * d + group * d + group * span;
     int failed = 0;
     const int tiles = kunlun_decode_attention_on_tiles(bf16, d, hq, hk);
+    const int64_t items = batch * runs * parts;
+    int64_t claimed = 0;
     #pragma omp parallel reduction(|| : failed)
     {
         float *work = tiles ? NULL : (float *)malloc(sizeof(float) * per_item);
@@ -636,38 +751,64 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
         }
 #endif
         if (!ready) failed = 1;
-        #pragma omp for collapse(3) schedule(dynamic, 1)
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t run = 0; run < runs; run++)
-                for (int64_t i = 0; i < parts; i++) {
-                    if (!ready) continue;
-                    const int32_t *table = block_tables + b * table_stride;
-                    const int64_t len = seq_lens[b], each = (len + parts - 1) / parts;
-                    const int64_t lo = i * each < len ? i * each : len, hi = lo + each < len ? lo + each : len;
-                    for (int64_t h = run * split.heads; h < (run + 1) * split.heads; h++) {
-                        float *part = parts > 1 ? partial + ((b * hk + h) * parts + i) * part_floats : NULL;
-                        if (lo == hi) {  /* a short context: nothing in this part */
-                            for (int64_t g = 0; g < group; g++) part[group * d + group + g] = 0.0f;
-                            continue;
-                        }
+        /* The items (b, run, i), in that order, claimed one at a time as a dynamic schedule would; where the split is
+         * pipelined a thread claims its next item as it starts one, while more are left unclaimed than there are
+         * threads (past that, no thread should wait on an item another holds), and asks for its rows meanwhile. */
+        const int64_t team = omp_get_num_threads();
+        next_rows nx = {(const char *)k_cache, (const char *)v_cache, NULL, block_size, hk * d * (bf16 ? 2 : 4)};
+        int64_t item = ready ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
+        while (item < items) {
+            const int ask_own = nx.table == NULL; /* no item before asked for this one's rows */
+            int64_t next = -1, lo, hi;
+            if (split.pipelined && items - __atomic_load_n(&claimed, __ATOMIC_RELAXED) > team)
+                next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            const int64_t b = item / (runs * parts), run = item / parts % runs, i = item % parts;
+            const int32_t *table = block_tables + b * table_stride;
+            part_tokens(seq_lens[b], parts, i, &lo, &hi);
+            nx.table = NULL;
+            if (next >= 0 && next < items && lo < hi) {  /* pipelined: one run of every KV head, item = b * parts + i */
+                int64_t next_lo, next_hi;
+                part_tokens(seq_lens[next / parts], parts, next % parts, &next_lo, &next_hi);
 #if DECODE_TILES
-                        if (tiles) {
-                            token_rows(table, lo, hi, h, hk, d, block_size, rows);
-                            tiles_head((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
-                                       hi - lo, rows, hk * d, out, part, b, h, hq, hk, d, scale, &tw);
-                            continue;
-                        }
+                const int64_t calls = tiles ? tiles_head_asks(hi - lo, d, group) : one_head_asks(hi - lo, d, group);
+#else
+                const int64_t calls = one_head_asks(hi - lo, d, group);
 #endif
-                        if (VLEN == 8 && bf16 && d == 64)  /* see ONE_HEAD_OF_SIZE */
-                            ONE_HEAD_OF_SIZE(64, 1);
-                        else if (VLEN == 8 && bf16 && d == 128)
-                            ONE_HEAD_OF_SIZE(128, 1);
-                        else if (bf16)
-                            ONE_HEAD_OF_SIZE(d, 1);
-                        else
-                            ONE_HEAD_OF_SIZE(d, 0);
-                    }
+                if (next_lo < next_hi)
+                    next_rows_start(&nx, block_tables + next / parts * table_stride, next_lo, next_hi, hk * calls);
+            }
+            for (int64_t h = run * split.heads; h < (run + 1) * split.heads; h++) {
+                float *part = parts > 1 ? partial + ((b * hk + h) * parts + i) * part_floats : NULL;
+                if (lo == hi) {  /* a short context: nothing in this part */
+                    for (int64_t g = 0; g < group; g++) part[group * d + group + g] = 0.0f;
+                    continue;
                 }
+#if DECODE_TILES
+                if (tiles) {
+                    token_rows(table, lo, hi, h, hk, d, block_size, rows);
+                    tiles_head((const uint16_t *)q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, hi - lo,
+                               rows, hk * d, out, part, b, h, hq, hk, d, scale, &tw, ask_own, &nx);
+                    continue;
+                }
+#endif
+                if (VLEN == 8 && bf16 && d == 64 && split.pipelined)  /* see ONE_HEAD_OF_SIZE */
+                    ONE_HEAD_OF_SIZE(64, 1, 1);
+                else if (VLEN == 8 && bf16 && d == 64)
+                    ONE_HEAD_OF_SIZE(64, 1, 0);
+                else if (VLEN == 8 && bf16 && d == 128)
+                    ONE_HEAD_OF_SIZE(128, 1, 0);
+                else if (bf16 && split.pipelined)
+                    ONE_HEAD_OF_SIZE(d, 1, 1);
+                else if (bf16)
+                    ONE_HEAD_OF_SIZE(d, 1, 0);
+                else if (split.pipelined)
+                    ONE_HEAD_OF_SIZE(d, 0, 1);
+                else
+                    ONE_HEAD_OF_SIZE(d, 0, 0);
+            }
+            item = next >= 0 ? next : __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        }
+        #pragma omp barrier
         if (parts > 1) {
             #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < batch; b++)
