@@ -33,9 +33,11 @@ Work:
 - ``prompt-attention``: ``kunlun_paged_prefill_attention`` over the shapes,
   heads and head size of ``prompt_attention.py``;
 - ``decode-attention``: ``kunlun_paged_decode_attention`` as one decode step
-  calls it (24 layers each with a cache of its own, blocks scattered), at
-  ``DECODE_SHAPES``: the 0.5B model's heads (14 query heads over 2 KV heads),
-  and one sequence of a model with a single KV head, split among the threads.
+  calls it (24 layers each with a cache of its own, blocks scattered, or with
+  ``--blocks ordered`` each sequence's blocks one after another, as a fresh
+  engine's cache holds them), at ``DECODE_SHAPES``: the 0.5B model's heads
+  (14 query heads over 2 KV heads), and one sequence of a model with a single
+  KV head, split among the threads.
 
 Example::
 
@@ -212,15 +214,18 @@ DECODE_SHAPES = [(8, 256, prompt_attention.HEADS), (8, 1024, prompt_attention.HE
                  (32, 1024, prompt_attention.HEADS), (1, 4096, prompt_attention.HEADS), (1, 4096, (8, 1))]
 
 
-def decode_attention_work(lib: ctypes.CDLL, dtype: torch.dtype, batch: int, ctx: int, heads: tuple[int, int]):
-    """One decode step's attention over every layer's own paged cache (as cold as a step finds it)."""
+def decode_attention_work(lib: ctypes.CDLL, dtype: torch.dtype, batch: int, ctx: int, heads: tuple[int, int],
+                          ordered: bool = False):
+    """One decode step's attention over every layer's own paged cache (as cold as a step finds it), its blocks
+    scattered or (``ordered``) each sequence's one after another."""
     (hq, hk), d, block_size = heads, prompt_attention.HEAD_SIZE, prompt_attention.BLOCK_SIZE
     layers = perf_cpu.SHAPES["0.5b"].layers
     per_seq = -(-ctx // block_size)
     g = torch.Generator().manual_seed(batch * 31 + ctx)
     caches = [(torch.randn(batch * per_seq + 4, block_size, hk, d, generator=g).to(dtype),
                torch.randn(batch * per_seq + 4, block_size, hk, d, generator=g).to(dtype)) for _ in range(layers)]
-    table = torch.randperm(batch * per_seq + 4, generator=g)[:batch * per_seq].to(torch.int32).view(batch, per_seq)
+    blocks = torch.arange(batch * per_seq) if ordered else torch.randperm(batch * per_seq + 4, generator=g)
+    table = blocks[:batch * per_seq].to(torch.int32).view(batch, per_seq)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     q = torch.randn(batch, hq, d, generator=g).to(dtype)
     out = torch.empty_like(q)
@@ -244,6 +249,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "int8"),
                         help="weights (int8: gemm only, on bf16 rows)")
     parser.add_argument("--rows", default="1,8,32,256", help="gemm: row counts")
+    parser.add_argument("--blocks", choices=("scattered", "ordered"), default="scattered",
+                        help="decode-attention: the cache's blocks scattered, or each sequence's in order")
     parser.add_argument("--turns", type=int, default=9, help="calls of each build per case, in turns (medians)")
     parser.add_argument("--chunk-rows", type=chunk_rows_option, default="first",
                         help="AVX2 GEMMs: from how many rows tiles go in chunks: first (measured on the first build, "
@@ -268,7 +275,8 @@ def main() -> None:
                      for ctx, new in prompt_attention.SHAPES]
         else:
             cases = [(f"{batch} x {ctx}, heads {hq}/{hk}",
-                      lambda lib, b=batch, c=ctx, h=(hq, hk): decode_attention_work(lib, dtype, b, c, h))
+                      lambda lib, b=batch, c=ctx, h=(hq, hk): decode_attention_work(lib, dtype, b, c, h,
+                                                                                    args.blocks == "ordered"))
                      for batch, ctx, (hq, hk) in DECODE_SHAPES]
         results = []
         for label, make in cases:
@@ -292,7 +300,8 @@ def main() -> None:
             del works
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps({"machine": facts, "work": args.work, "dtype": args.dtype, "builds": named,
+            f.write(json.dumps({"machine": facts, "work": args.work, "dtype": args.dtype, "blocks": args.blocks,
+                                "builds": named,
                                 "chunk_rows": args.chunk_rows, "turns": args.turns, "results": results}) + "\n")
 
 
