@@ -225,8 +225,8 @@ INLINE void token_rows(const int32_t *table, int64_t lo, int64_t hi, int64_t h, 
     }
 }
 
-/* The calls of ask_next that one_head makes for an item of `len` tokens: one per VLEN keys scored, and one per token of
- * each pass over the values. */
+/* The calls of ask_next that one_head makes for an item of `len` tokens: one per VLEN keys scored, and one per
+ * VALUES_ASK_TOKENS tokens of each pass over the values. */
 INLINE int64_t one_head_asks(int64_t len, int64_t d, int64_t group) {
     const int64_t chunks = d / VLEN;
     return (len + VLEN - 1) / VLEN +
@@ -654,7 +654,9 @@ int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t hq, int64_t hk
  * constant, so that the loops over a row's vectors unroll whole: Zen 4 capped to AVX2, in turns, bit for bit the same,
  * the 0.5B model's step (14 / 2 heads of 64) 0.87-0.94x the time at 8 x 256 and 8 x 1024 tokens and 0.92-0.93x at
  * 1 x 4096 (one KV head of 8: 0.95-1.02x). Float32 caches (0.97-1.08x) and AVX-512 (0.96-1.07x) gained nothing from
- * it and keep one body. */
+ * it and keep one body. PIPELINED: built to ask for the next item's rows (a pipelined split, AVX-512 only), else
+ * built without the asks, its loops as they were (with the asks' checks left in, the avx2 set's bf16 kernel took
+ * 1.06-1.15x the time with nothing to ask). */
 #define ONE_HEAD_OF_SIZE(D, BF16, PIPELINED)                                                                  \
     one_head(q, k_cache, v_cache, table, lo, hi, out, part, b, h, hq, hk, D, block_size, scale, work, rows, BF16, \
              PIPELINED ? ask_own : 1, PIPELINED ? &nx : NULL)
@@ -791,9 +793,7 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
                     continue;
                 }
 #endif
-                if (VLEN == 8 && bf16 && d == 64 && split.pipelined)  /* see ONE_HEAD_OF_SIZE */
-                    ONE_HEAD_OF_SIZE(64, 1, 1);
-                else if (VLEN == 8 && bf16 && d == 64)
+                if (VLEN == 8 && bf16 && d == 64)  /* see ONE_HEAD_OF_SIZE */
                     ONE_HEAD_OF_SIZE(64, 1, 0);
                 else if (VLEN == 8 && bf16 && d == 128)
                     ONE_HEAD_OF_SIZE(128, 1, 0);
