@@ -301,8 +301,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"machine": facts, "work": args.work, "dtype": args.dtype, "blocks": args.blocks,
-                                "builds": named,
-                                "chunk_rows": args.chunk_rows, "turns": args.turns, "results": results}) + "\n")
+                                "builds": named, "chunk_rows": args.chunk_rows, "turns": args.turns,
+                                "results": results}) + "\n")
 
 
 if __name__ == "__main__":

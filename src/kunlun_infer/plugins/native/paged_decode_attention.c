@@ -730,7 +730,8 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
         longest = len > longest ? len : longest;
     }
     const int64_t group = hq / hk;
-    const work_split split = split_work(batch, hk, longest, omp_get_max_threads(), 2 * hk * d * (bf16 ? 2 : 4));
+    const int64_t token_bytes = hk * d * (bf16 ? 2 : 4); /* a token's K (or V) rows of every KV head */
+    const work_split split = split_work(batch, hk, longest, omp_get_max_threads(), 2 * token_bytes);
     const int64_t parts = split.parts, runs = hk / split.heads;
     const int64_t span = (longest + parts - 1) / parts, part_floats = group * (d + 2);
     float *partial = parts > 1 ? (float *)malloc(sizeof(float) * batch * hk * parts * part_floats) : NULL;
@@ -757,7 +758,7 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
          * pipelined a thread claims its next item as it starts one, while more are left unclaimed than there are
          * threads (past that, no thread should wait on an item another holds), and asks for its rows meanwhile. */
         const int64_t team = omp_get_num_threads();
-        next_rows nx = {(const char *)k_cache, (const char *)v_cache, NULL, block_size, hk * d * (bf16 ? 2 : 4)};
+        next_rows nx = {(const char *)k_cache, (const char *)v_cache, NULL, block_size, token_bytes};
         int64_t item = ready ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : items;
         while (item < items) {
             const int ask_own = nx.table == NULL; /* no item before asked for this one's rows */
