@@ -28,7 +28,8 @@
  * an eighth of L2 so that both fit. The Xeon with AMX, in turns against the code before (blocks in order, as the
  * engine's): bf16 on the tiles 0.83-0.86x the time at 32 x 1000, 0.79-0.80x at 8 x 2000, 0.92-0.94x at 1 x 4096
  * (scattered blocks 0.97x); in the engine a 32-row bf16 step at ~1000 tokens 89.4-92.3 -> 80.9-83.7 ms, 8 rows at
- * ~2000 tokens 67.1-67.7 -> 59.9-61.5.
+ * ~2000 tokens 67.1-67.7 -> 59.9-61.5. The Zen 5 (AVX-512, no tiles), blocks in order: bf16 0.83-0.84x at
+ * 32 x 1024, 0.80-0.93x at 8 x 1024; float32 0.74-0.85x and 0.77-0.78x.
  */
 #include <stdint.h>
 #include <omp.h>
@@ -61,10 +62,11 @@
 /* the fewest tokens of a context split among threads, and the most parts it is split into */
 #define PART_TOKENS 256
 #define MAX_PARTS 256
-/* Where a step has PIPELINE_ITEMS items a thread or more, each part's rows of every KV head fit 1 / PIPELINE_SHARE of
- * L2 and a thread asks for the rows of the item it takes next while it works on one (see next_rows). With AVX-512
- * only: with AVX2 the kernel's work a key, not memory, bounds it (the Xeon with AMX capped to avx2, in turns: bf16
- * 1.00x the time at 32 x 1000 tokens, 1.06-1.13x at 8 x 256 and 1 x 4096; float32 0.96-0.98x at 8-32 x 1000-2000). */
+/* Where the split within half of L2 gives every thread PIPELINE_ITEMS items or more, the parts shrink until each
+ * one's rows of every KV head fit 1 / PIPELINE_SHARE of L2, and a thread asks for the rows of the item it takes next
+ * while it works on one (see next_rows). With AVX-512 only: with AVX2 the kernel's work a key, not memory, bounds it
+ * (the Xeon with AMX capped to avx2, in turns: bf16 1.00x the time at 32 x 1000 tokens, 1.06-1.13x at 8 x 256 and
+ * 1 x 4096; float32 0.96-0.98x at 8-32 x 1000-2000). */
 #define PIPELINE_SHARE 8
 #define PIPELINE_ITEMS 4
 #define PIPELINING (VLEN == 16)
@@ -705,9 +707,11 @@ static one_head_fn *one_head_build(const int bf16, int64_t d, const int pipeline
  * 0.78-0.79x, 0.90-0.97x whole; 8 KV heads of 128 0.94-0.95x either way); no part is shorter than PART_TOKENS.
  * Whole sequences where their number keeps the threads busy evenly; else contexts split into the fewest parts that
  * do, a sequence's heads still together; else (short contexts) the heads split too. Pipelined (see PIPELINE_SHARE)
- * where parts of an eighth of L2 give every thread PIPELINE_ITEMS items or more, each of all the KV heads (the Xeon
- * with AMX, in parts of a quarter rather than an eighth: 0.95-0.96x the time at 32 x 1000 tokens, 0.90-0.92x at
- * 8 x 2000, against 0.91x and 0.85-0.87x); else as before, within half of L2. */
+ * where that split already gives every thread PIPELINE_ITEMS items or more, each of all the KV heads: then in parts
+ * of an eighth of L2 (the Xeon with AMX, in parts of a quarter rather than an eighth: 0.95-0.96x the time at 32 x 1000
+ * tokens, 0.90-0.92x at 8 x 2000, against 0.91x and 0.85-0.87x). A few long contexts cut finer only to pipeline them
+ * lost more than the asks won back where the kernel is quick a byte: on the Zen 5 (1 MiB of L2), one sequence of
+ * 4096 tokens and one KV head of 8 took 1.19-1.33x the time in bf16 in 8 parts against 2 (0.89-0.93x in float32). */
 typedef struct {
     int64_t parts, heads;
     int pipelined; /* each thread asks for its next item's rows while it works on one (next_rows) */
@@ -741,9 +745,11 @@ static work_split split_within(int64_t batch, int64_t hk, int64_t longest, int64
 }
 
 static work_split split_work(int64_t batch, int64_t hk, int64_t longest, int64_t threads, int64_t token_bytes) {
+    const work_split whole = split_within(batch, hk, longest, threads, token_bytes, kunlun_l2_bytes / 2);
+    if (!PIPELINING || whole.heads != hk || batch * whole.parts < PIPELINE_ITEMS * threads) return whole;
     work_split split = split_within(batch, hk, longest, threads, token_bytes, kunlun_l2_bytes / PIPELINE_SHARE);
-    split.pipelined = PIPELINING && split.heads == hk && batch * split.parts >= PIPELINE_ITEMS * threads;
-    return split.pipelined ? split : split_within(batch, hk, longest, threads, token_bytes, kunlun_l2_bytes / 2);
+    split.pipelined = split.heads == hk;
+    return split.pipelined ? split : whole;
 }
 
 /*
