@@ -660,7 +660,7 @@ int kunlun_decode_attention_on_tiles(int bf16, int64_t d, int64_t hq, int64_t hk
  * built without the asks, its loops as they were (with the asks' checks left in, the avx2 set's bf16 kernel took
  * 1.06-1.15x the time with nothing to ask). Each build is a function of its own, called once an item, so that its
  * loops are compiled apart from the loop that hands out the items: inlined into it, the Zen 5's bf16 kernel took
- * 1.09-1.15x the time of the same split before the items were claimed by hand (1 x 4096 tokens, one KV head of 8). */
+ * 1.05-1.15x the time of the same split before the items were claimed by hand (1 x 4096 tokens, one KV head of 8). */
 typedef void one_head_fn(const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int64_t lo,
                          int64_t hi, void *out, float *part, int64_t b, int64_t h, int64_t hq, int64_t hk, int64_t d,
                          int64_t block_size, float scale, float *work, int64_t *rows, int ask_own, next_rows *nx);
@@ -711,7 +711,7 @@ static one_head_fn *one_head_build(const int bf16, int64_t d, const int pipeline
  * of an eighth of L2 (the Xeon with AMX, in parts of a quarter rather than an eighth: 0.95-0.96x the time at 32 x 1000
  * tokens, 0.90-0.92x at 8 x 2000, against 0.91x and 0.85-0.87x). A few long contexts cut finer only to pipeline them
  * lost more than the asks won back where the kernel is quick a byte: on the Zen 5 (1 MiB of L2), one sequence of
- * 4096 tokens and one KV head of 8 took 1.19-1.33x the time in bf16 in 8 parts against 2 (0.89-0.93x in float32). */
+ * 4096 tokens and one KV head of 8 took 1.19-1.33x the time in bf16 in 8 parts against 2 (0.88-0.93x in float32). */
 typedef struct {
     int64_t parts, heads;
     int pipelined; /* each thread asks for its next item's rows while it works on one (next_rows) */
