@@ -28,8 +28,8 @@
  * an eighth of L2 so that both fit. The Xeon with AMX, in turns against the code before (blocks in order, as the
  * engine's): bf16 on the tiles 0.83-0.86x the time at 32 x 1000, 0.79-0.80x at 8 x 2000, 0.92-0.94x at 1 x 4096
  * (scattered blocks 0.97x); in the engine a 32-row bf16 step at ~1000 tokens 89.4-92.3 -> 80.9-83.7 ms, 8 rows at
- * ~2000 tokens 67.1-67.7 -> 59.9-61.5. The Zen 5 (AVX-512, no tiles), blocks in order: bf16 0.83-0.84x at
- * 32 x 1024, 0.80-0.93x at 8 x 1024; float32 0.74-0.85x and 0.77-0.78x.
+ * ~2000 tokens 67.1-67.7 -> 59.9-61.5. The Zen 5 (AVX-512, no tiles), blocks in order: bf16 0.83-0.87x at
+ * 32 x 1024, 0.80-0.93x at 8 x 1024; float32 0.74-0.85x and 0.77-0.80x.
  */
 #include <stdint.h>
 #include <omp.h>
