@@ -33,11 +33,14 @@ Work:
 - ``prompt-attention``: ``kunlun_paged_prefill_attention`` over the shapes,
   heads and head size of ``prompt_attention.py``;
 - ``decode-attention``: ``kunlun_paged_decode_attention`` as one decode step
-  calls it (24 layers each with a cache of its own, blocks scattered, or with
+  calls it (24 layers each with a cache of its own in huge pages, as the
+  engine's, blocks scattered, or with
   ``--blocks ordered`` each sequence's blocks one after another, as a fresh
   engine's cache holds them), at ``DECODE_SHAPES``: the 0.5B model's heads
-  (14 query heads over 2 KV heads), and one sequence of a model with a single
-  KV head, split among the threads.
+  (14 query heads over 2 KV heads, or ``--heads``), and one sequence of a
+  model with a single KV head, split among the threads; ``--warm`` runs every
+  layer over one cache, so that where it fits the CPU's caches the kernel's
+  own work is timed without the wait for memory.
 
 Example::
 
@@ -63,7 +66,7 @@ from pathlib import Path
 import torch
 
 from kunlun_infer.ops import reference
-from kunlun_infer.plugins import cpu_gemm, cpu_native, cpu_tuning
+from kunlun_infer.plugins import cpu_gemm, cpu_memory, cpu_native, cpu_tuning
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
@@ -215,15 +218,21 @@ DECODE_SHAPES = [(8, 256, prompt_attention.HEADS), (8, 1024, prompt_attention.HE
 
 
 def decode_attention_work(lib: ctypes.CDLL, dtype: torch.dtype, batch: int, ctx: int, heads: tuple[int, int],
-                          ordered: bool = False):
+                          ordered: bool = False, warm: bool = False):
     """One decode step's attention over every layer's own paged cache (as cold as a step finds it), its blocks
-    scattered or (``ordered``) each sequence's one after another."""
+    scattered or (``ordered``) each sequence's one after another; ``warm``: every layer over one cache, which stays in
+    the CPU's caches where it fits (the kernel's work without the wait for memory)."""
     (hq, hk), d, block_size = heads, prompt_attention.HEAD_SIZE, prompt_attention.BLOCK_SIZE
     layers = perf_cpu.SHAPES["0.5b"].layers
     per_seq = -(-ctx // block_size)
     g = torch.Generator().manual_seed(batch * 31 + ctx)
-    caches = [(torch.randn(batch * per_seq + 4, block_size, hk, d, generator=g).to(dtype),
-               torch.randn(batch * per_seq + 4, block_size, hk, d, generator=g).to(dtype)) for _ in range(layers)]
+    shape = (batch * per_seq + 4, block_size, hk, d)
+
+    def cache() -> torch.Tensor:  # in huge pages, as the engine's cache (cpu_memory.host_buffer)
+        buffer = cpu_memory.host_buffer(shape[0] * block_size * hk * d * dtype.itemsize).view(dtype).view(shape)
+        return buffer.copy_(torch.randn(shape, generator=g))
+
+    caches = [(cache(), cache()) for _ in range(1 if warm else layers)] * (layers if warm else 1)
     blocks = torch.arange(batch * per_seq) if ordered else torch.randperm(batch * per_seq + 4, generator=g)
     table = blocks[:batch * per_seq].to(torch.int32).view(batch, per_seq)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
@@ -251,6 +260,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32,256", help="gemm: row counts")
     parser.add_argument("--blocks", choices=("scattered", "ordered"), default="scattered",
                         help="decode-attention: the cache's blocks scattered, or each sequence's in order")
+    parser.add_argument("--warm", action="store_true",
+                        help="decode-attention: every layer over one cache, warm in the CPU's caches")
+    parser.add_argument("--heads", help="decode-attention: QUERY/KV heads for the 0.5B model's cases (14/2)")
     parser.add_argument("--turns", type=int, default=9, help="calls of each build per case, in turns (medians)")
     parser.add_argument("--chunk-rows", type=chunk_rows_option, default="first",
                         help="AVX2 GEMMs: from how many rows tiles go in chunks: first (measured on the first build, "
@@ -274,10 +286,15 @@ def main() -> None:
             cases = [(f"context {ctx}, new {new}", lambda lib, c=ctx, n=new: attention_work(lib, dtype, c, n))
                      for ctx, new in prompt_attention.SHAPES]
         else:
+            shapes = DECODE_SHAPES
+            if args.heads:
+                hq, _, hk = args.heads.partition("/")
+                shapes = [(b, c, (int(hq), int(hk)) if h == prompt_attention.HEADS else h) for b, c, h in shapes]
             cases = [(f"{batch} x {ctx}, heads {hq}/{hk}",
                       lambda lib, b=batch, c=ctx, h=(hq, hk): decode_attention_work(lib, dtype, b, c, h,
-                                                                                    args.blocks == "ordered"))
-                     for batch, ctx, (hq, hk) in DECODE_SHAPES]
+                                                                                    args.blocks == "ordered",
+                                                                                    args.warm))
+                     for batch, ctx, (hq, hk) in shapes]
         results = []
         for label, make in cases:
             works = {name: make(lib) for name, lib in libs.items()}
@@ -301,6 +318,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"machine": facts, "work": args.work, "dtype": args.dtype, "blocks": args.blocks,
+                                "warm": args.warm, "heads": args.heads,
                                 "builds": named, "chunk_rows": args.chunk_rows, "turns": args.turns,
                                 "results": results}) + "\n")
 
