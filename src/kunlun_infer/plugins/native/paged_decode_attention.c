@@ -1,8 +1,8 @@
 /*
  * Decode attention straight from the paged KV cache: one query token per sequence, no gathered copy.
  *
- * Built for every kernel set by cpu_native.py (vectors of simd.h; bf16 q.k through VDPBF16PS where the set
- * has AVX512-BF16). One work item is (sequence, KV head): the Hq / Hk query heads that
+ * Built for every kernel set by cpu_native.py (vectors of simd.h; with bf16 caches both products through VDPBF16PS
+ * where the set has AVX512-BF16: see BF16_PAIRS). One work item is (sequence, KV head): the Hq / Hk query heads that
  * share the KV head are scaled and held in float32; each cached key is read once from its block (through
  * the block table) and scored against all of them, VLEN keys at a time (bf16 keys widened once per block where
  * there is no VDPBF16PS); a float32 softmax per query head (max, exp, sum) is followed by one pass over the
@@ -209,6 +209,167 @@ INLINE void weighted_values(const void *v_cache, const int64_t *rows, const floa
     }
 }
 
+#if defined(__AVX512BF16__)
+/*
+ * bf16 caches with AVX512-BF16 (head size a multiple of 32) take both products through VDPBF16PS, which multiplies
+ * pairs of bf16 values into float32 sums, and their softmax in base 2:
+ * - the outputs: two tokens' value rows interleaved (VPUNPCKLWD / VPUNPCKHWD: each feature's two values a lane) against
+ *   the two tokens' probabilities, rounded to bf16 and broadcast as one pair: half the multiplies of float32 FMAs, and
+ *   no widening of the values. The probabilities are rounded as the tile kernels round them (their sums stay float32,
+ *   and the outputs are divided by them as they are written, in place of a pass over the probabilities);
+ * - the softmax: the scores in units of log2 e, their exponentials by pow2_probability (9 instructions where vf_exp
+ *   takes 17), each head's max, then its exponentials, sum and bf16 pairs, in two passes rather than three;
+ * - the scores, where a KV head has TRANSPOSED_MIN_GROUP query heads or more: 16 keys' rows transposed (two bf16
+ *   features a 32-bit lane, one key a lane: transpose16_epi32), so that one VDPBF16PS of a pair of features against a
+ *   query's pair broadcast adds to all 16 keys' scores at once, and no horizontal sum is left per key and head. The
+ *   transpose is shared by the query heads and pays from 7 of them; with fewer, each key's sums across lanes are as
+ *   fast or faster (Zen 5, every layer over one warm cache, in turns: 4 query heads a KV head 1.04-1.06x the time of
+ *   the sums across lanes, 5 1.02-1.04x, 6 0.98-1.02x, 7 0.96-0.98x, 8 0.93-0.98x, 16 0.88-0.90x).
+ * kernel_builds.py --work decode-attention on the Zen 5 (2 threads, 24 layers each with a cache of its own, in turns
+ * against the code before, run twice as A/A; decode_attention_bf16_pairs_zen5.json), the 0.5B model's heads (7 a KV
+ * head), blocks in order: 0.78-0.82x the time at 8 x 256 tokens (A/A 0.93-0.99), 0.86-0.88x at 8 x 1024, 0.90-0.91x at
+ * 32 x 1024 (0.98-0.99), 0.87-0.93x at 1 x 4096, one KV head of 8 at 4096 tokens 0.78-0.81x; blocks scattered
+ * 0.89-0.98x (A/A 0.96-1.02); every layer over one warm cache 0.75-0.87x.
+ */
+#define BF16_PAIRS 1
+#define TRANSPOSED_MIN_GROUP 7
+
+/* The 16 keys' rows at key[] (bf16, d features) as feature pairs [d / 2][16 keys] at kt */
+INLINE void transposed_keys(const uint16_t *k_cache, const int64_t *key, int64_t d, uint32_t *kt) {
+    for (int64_t c = 0; c < d; c += 32) {
+        __m512i r[16];
+        UNROLL for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(k_cache + key[i] + c);
+        transpose16_epi32(r);
+        UNROLL for (int j = 0; j < 16; j++) _mm512_storeu_si512(kt + (c / 2 + j) * 16, r[j]);
+    }
+}
+
+/* scores[g * len + t0 ..] (tn of them) of query heads g < heads (their bf16 rows `d` apart from qg) against the
+ * transposed keys kt: two sums a head, the even pairs' and the odd ones', so that twice the chains are in flight */
+INLINE void transposed_scores_fixed(const uint16_t *qg, const uint32_t *kt, int64_t d, float scale, float *scores,
+                                    int64_t len, int64_t t0, int64_t tn, const int heads) {
+    __m512 acc[8][2];
+    UNROLL for (int g = 0; g < heads; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < d / 2; p += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * 16), k1 = (__m512bh)_mm512_loadu_si512(kt + p * 16 + 16);
+        UNROLL for (int g = 0; g < heads; g++) {
+            const uint32_t *qd = (const uint32_t *)(qg + g * d);
+            acc[g][0] = _mm512_dpbf16_ps(acc[g][0], k0, (__m512bh)_mm512_set1_epi32((int)qd[p]));
+            acc[g][1] = _mm512_dpbf16_ps(acc[g][1], k1, (__m512bh)_mm512_set1_epi32((int)qd[p + 1]));
+        }
+    }
+    UNROLL for (int g = 0; g < heads; g++)
+        vf_store_n(scores + g * len, t0, _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_set1_ps(scale)),
+                   tn, 0);
+}
+
+#define SCORES_CASE(H)                                                                                                \
+    case H:                                                                                                           \
+        transposed_scores_fixed(qg, kt, d, scale, scores, len, t0, tn, H);                                            \
+        break;
+
+INLINE void transposed_scores(const uint16_t *qg, const uint32_t *kt, int64_t d, float scale, float *scores,
+                              int64_t len, int64_t t0, int64_t tn, int64_t heads) {
+    switch (heads) { SCORES_CASE(1) SCORES_CASE(2) SCORES_CASE(3) SCORES_CASE(4) SCORES_CASE(5) SCORES_CASE(6)
+                     SCORES_CASE(7) SCORES_CASE(8) }
+}
+
+/* The softmax of the pairs' path, in base 2 (the scores are in units of log2 e): each query head's e^(score - top) as
+ * bf16, in place of its float32 scores [group][len] at s, head g's at (uint16_t *)(s + g * len), with a zero after an
+ * odd count, so that tokens t and t + 1 (t even) are the 32-bit pair t / 2. The exponentials' float32 sums give
+ * norms[g], what the outputs are multiplied by as they are written: 1 / sum, or 1 for a part, whose top (in natural
+ * units, as merge_parts reads it) and sum go to `part` as one_head's do. */
+INLINE void pair_probabilities(float *s, int64_t group, int64_t len, int64_t d, float *part, float *norms) {
+    for (int64_t g = 0; g < group; g++) {
+        float *row = s + g * len;
+        __m512 vmax = _mm512_set1_ps(-3.0e38f);
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 m = tail_mask(len - t);
+            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, row + t));
+        }
+        const float top = _mm512_reduce_max_ps(vmax);
+        const __m512 vtop = _mm512_set1_ps(top);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 32) {
+            const int64_t n = len - t < 32 ? len - t : 32, stored = n + (n & 1);
+            const __m512 lo = _mm512_maskz_mov_ps(tail_mask(n), pow2_probability(_mm512_sub_ps(vf_load_n(row, t, n, 0),
+                                                                                                 vtop)));
+            const __m512 hi = _mm512_maskz_mov_ps(tail_mask(n - 16),
+                                                  pow2_probability(_mm512_sub_ps(vf_load_n(row, t + 16, n - 16, 0), vtop)));
+            vsum = _mm512_add_ps(vsum, _mm512_add_ps(lo, hi));
+            _mm512_mask_storeu_epi16((uint16_t *)row + t, stored >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << stored) - 1),
+                                     (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        const float total = _mm512_reduce_add_ps(vsum);
+        if (part != NULL) {
+            part[group * d + g] = top * 0.693147180559945309f;
+            part[group * d + group + g] = total;
+        }
+        norms[g] = part != NULL ? 1.0f : 1.0f / total;
+    }
+}
+
+/* The outputs of weighted_values for one line of values (32 features from `feature`) and heads (< 9) query heads,
+ * two tokens at a time: their rows interleaved, VPUNPCKLWD giving features 8j .. 8j + 3 and VPUNPCKHWD 8j + 4 .. 8j + 7
+ * of each 128-bit lane j; the sums stay in that order between calls (in `sums`) and are put back in feature order as
+ * they are written out. `pairs`: head g's bf16 probabilities at pairs + g * len floats (probabilities_to_pairs). */
+INLINE void paired_values_fixed(const uint16_t *v_cache, const int64_t *rows, const float *pairs, const float *norms,
+                                int64_t len, int64_t t0, int64_t t1, float *sums, int64_t feature, void *out,
+                                int64_t at, int64_t d, const int heads, const int ask, const int obf16,
+                                next_rows *nx) {
+    __m512 acc[MAX_GROUP][2];
+    UNROLL for (int g = 0; g < heads; g++)
+        UNROLL for (int c = 0; c < 2; c++)
+            acc[g][c] = t0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + g * d + feature + 16 * c);
+    for (int64_t t = t0; t < t1; t += 2) {
+        if (ask && t + VALUES_AHEAD < len) ask_row(v_cache, rows[t + VALUES_AHEAD], d, 1);  /* the first pass */
+        if (ask && t + 1 + VALUES_AHEAD < len) ask_row(v_cache, rows[t + 1 + VALUES_AHEAD], d, 1);
+        if ((t - t0) % VALUES_ASK_TOKENS == 0) ask_next(nx);
+        const __m512i a = _mm512_loadu_si512(v_cache + rows[t] + feature);
+        const __m512i b = t + 1 < t1 ? _mm512_loadu_si512(v_cache + rows[t + 1] + feature) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        UNROLL for (int g = 0; g < heads; g++) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(((const int32_t *)(pairs + g * len))[t / 2]);
+            acc[g][0] = _mm512_dpbf16_ps(acc[g][0], lo, p);
+            acc[g][1] = _mm512_dpbf16_ps(acc[g][1], hi, p);
+        }
+    }
+    /* feature f of the line: from the low unpack's lane 4 (f / 8) + f % 8 where f % 8 < 4, else the high one's */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    UNROLL for (int g = 0; g < heads; g++) {
+        if (t1 < len) {
+            UNROLL for (int c = 0; c < 2; c++) _mm512_storeu_ps(sums + g * d + feature + 16 * c, acc[g][c]);
+            continue;
+        }
+        const __m512 norm = _mm512_set1_ps(norms[g]);
+        const __m512 o[2] = {_mm512_mul_ps(_mm512_permutex2var_ps(acc[g][0], first, acc[g][1]), norm),
+                             _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][0], second, acc[g][1]), norm)};
+        UNROLL for (int c = 0; c < 2; c++) {
+            const int64_t i = at + g * d + 16 * c;
+            if (obf16)
+                vf_store_bf16((uint16_t *)out + i, o[c]);
+            else
+                _mm512_storeu_ps((float *)out + i, o[c]);
+        }
+    }
+}
+
+#define PAIRED_CASE(H)                                                                                                \
+    case H:                                                                                                           \
+        paired_values_fixed(v_cache, rows, pairs, norms, len, t0, t1, sums, feature, out, at, d, H, ask, obf16, nx);  \
+        break;
+
+INLINE void paired_values(const uint16_t *v_cache, const int64_t *rows, const float *pairs, const float *norms,
+                          int64_t len, int64_t t0, int64_t t1, float *sums, int64_t feature, void *out, int64_t at,
+                          int64_t d, int64_t heads, const int ask, const int obf16, next_rows *nx) {
+    switch (heads) { PAIRED_CASE(1) PAIRED_CASE(2) PAIRED_CASE(3) PAIRED_CASE(4) PAIRED_CASE(5) PAIRED_CASE(6)
+                     PAIRED_CASE(7) PAIRED_CASE(8) }
+}
+#else
+#define BF16_PAIRS 0
+#endif
+
 /* Tokens [lo, hi) of part i of `parts` of a context of `len` (empty where a short context has no such part) */
 INLINE void part_tokens(int64_t len, int64_t parts, int64_t i, int64_t *lo, int64_t *hi) {
     const int64_t each = (len + parts - 1) / parts;
@@ -249,6 +410,10 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
     float *qf = work, *kf = work + group * d, *vsum = kf + VLEN * d, *scores = vsum + group * d;
     token_rows(table, lo, hi, h, hk, d, block_size, rows);
     for (int64_t g = 0; g < group; g++) widen_row(q, (b * hq + h * group + g) * d, d, qf + g * d, bf16);
+#if BF16_PAIRS
+    /* the pairs' path takes its softmax in base 2 (pair_probabilities) */
+    const float score_scale = bf16 && d % 32 == 0 ? scale * 1.44269504088896341f : scale;
+#endif
     /* scores: q . k for every cached key, VLEN keys at a time per query head (one transposing sum for VLEN dots) */
     for (int64_t t0 = 0; t0 < len; t0 += VLEN) {
         const int64_t tn = len - t0 < VLEN ? len - t0 : VLEN;
@@ -261,7 +426,16 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
          * of sums in registers, where a loop to the block's length had kept them in memory (1.16-1.25x the time) */
         int64_t key[VLEN];
         UNROLL for (int i = 0; i < VLEN; i++) key[i] = rows[t0 + (i < tn ? i : tn - 1)];
-#if defined(__AVX512BF16__)
+#if BF16_PAIRS
+        if (bf16 && d % 32 == 0 && group >= TRANSPOSED_MIN_GROUP) {  /* keys a lane: see BF16_PAIRS */
+            uint32_t *kt = (uint32_t *)kf;
+            transposed_keys((const uint16_t *)k_cache, key, d, kt);
+            const uint16_t *q0 = (const uint16_t *)q + (b * hq + h * group) * d;
+            for (int64_t g0 = 0; g0 < group; g0 += 8)
+                transposed_scores(q0 + g0 * d, kt, d, score_scale, scores + g0 * len, len, t0, tn,
+                                  group - g0 < 8 ? group - g0 : 8);
+            continue;
+        }
         if (bf16 && d % 32 == 0) {  /* bf16 pairs straight into VDPBF16PS, float32 sums */
             const uint16_t *keys_bf16 = (const uint16_t *)k_cache;
             for (int64_t g = 0; g < group; g++) {
@@ -273,7 +447,7 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
                     UNROLL for (int i = 0; i < VLEN; i++)
                         dots[i] = _mm512_dpbf16_ps(dots[i], qc, (__m512bh)_mm512_loadu_si512(keys_bf16 + key[i] + c));
                 }
-                vf_store_n(scores + g * len, t0, vf_mul(vf_transpose_sum(dots), vf_set1(scale)), tn, 0);
+                vf_store_n(scores + g * len, t0, vf_mul(vf_transpose_sum(dots), vf_set1(score_scale)), tn, 0);
             }
             continue;
         }
@@ -298,6 +472,25 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
             vf_store_n(scores + g * len, t0, vf_mul(vf_transpose_sum(dots), vf_set1(scale)), tn, 0);
         }
     }
+#if BF16_PAIRS
+    if (bf16 && d % 32 == 0) {  /* pairs of tokens through VDPBF16PS (see BF16_PAIRS), otherwise as below */
+        float *norms = kf; /* the keys' scratch, free once the scores are done */
+        pair_probabilities(scores, group, len, d, part, norms);
+        for (int64_t t0 = 0; t0 < len; t0 += VALUES_TILE) {
+            const int64_t t1 = len - t0 < VALUES_TILE ? len : t0 + VALUES_TILE;
+            for (int64_t f = 0; f < d; f += 32)
+                for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
+                    const int64_t gn = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
+                    const int64_t at = (part != NULL ? g0 * d : (b * hq + h * group + g0) * d) + f;
+                    paired_values((const uint16_t *)v_cache, rows, scores + g0 * len, norms + g0, len, t0, t1,
+                                  vsum + g0 * d, f,
+                                  part != NULL ? (void *)part : out, at, d, gn, ask_own && f == 0 && g0 == 0,
+                                  part == NULL, nx);
+                }
+        }
+        return;
+    }
+#endif
     /* softmax per query head, float32 */
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * len;

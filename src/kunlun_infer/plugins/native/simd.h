@@ -111,6 +111,46 @@ INLINE vf vf_transpose_sum(const vf *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e, f, 0x88), _mm512_shuffle_f32x4(e, f, 0xDD));
 }
 
+/* What the attention kernels share with AVX-512 (paged_prefill_attention.c, paged_decode_attention.c) */
+
+/* r[i] = the 32-bit elements i of r[0 .. 16): a 16 x 16 transpose in three rounds of shuffles */
+INLINE void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + k], lane L: element 4L + k of rows i .. i + 4 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int k = 0; k < 4; k++) { /* the 4 x 4 lanes of r[k], r[4 + k], r[8 + k], r[12 + k] transposed */
+        const __m512i x0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), x1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xee);
+        const __m512i y0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+        const __m512i y1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xee);
+        t[k] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+        t[4 + k] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+        t[8 + k] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+        t[12 + k] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* 2^y within 2.9e-6 relative for y >= -126 (2^-126 below), exact at integers (an unchanged max rescales by 1): 9
+ * instructions where vf_exp takes 17, for probabilities rounded to bf16 (1 + f (c1 + ...), fitted to 2^f, |f| <= 1/2,
+ * weighted to its largest relative error) */
+INLINE __m512 pow2_probability(__m512 y) {
+    y = _mm512_max_ps(y, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009582853f), f, _mm512_set1_ps(0.055906426f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69312418f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* lanes where a > b take x, the others y */
 INLINE vf vf_select_gt(vf a, vf b, vf x, vf y) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x);
