@@ -407,7 +407,7 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
                      int64_t block_size, float scale, float *work, int64_t *rows, const int bf16, const int ask_own,
                      next_rows *nx) {
     const int64_t group = hq / hk, chunks = d / VLEN, len = hi - lo;
-    float *qf = work, *kf = work + group * d, *vsum = kf + VLEN * d, *scores = vsum + group * d;
+    float *qf = work, *kf = work + group * d, *vsum = kf + VLEN * d, *norms = vsum + group * d, *scores = norms + group;
     token_rows(table, lo, hi, h, hk, d, block_size, rows);
     for (int64_t g = 0; g < group; g++) widen_row(q, (b * hq + h * group + g) * d, d, qf + g * d, bf16);
 #if BF16_PAIRS
@@ -474,7 +474,6 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
     }
 #if BF16_PAIRS
     if (bf16 && d % 32 == 0) {  /* pairs of tokens through VDPBF16PS (see BF16_PAIRS), otherwise as below */
-        float *norms = kf; /* the keys' scratch, free once the scores are done */
         pair_probabilities(scores, group, len, d, part, norms);
         for (int64_t t0 = 0; t0 < len; t0 += VALUES_TILE) {
             const int64_t t1 = len - t0 < VALUES_TILE ? len : t0 + VALUES_TILE;
@@ -483,9 +482,8 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
                     const int64_t gn = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
                     const int64_t at = (part != NULL ? g0 * d : (b * hq + h * group + g0) * d) + f;
                     paired_values((const uint16_t *)v_cache, rows, scores + g0 * len, norms + g0, len, t0, t1,
-                                  vsum + g0 * d, f,
-                                  part != NULL ? (void *)part : out, at, d, gn, ask_own && f == 0 && g0 == 0,
-                                  part == NULL, nx);
+                                  vsum + g0 * d, f, part != NULL ? (void *)part : out, at, d, gn,
+                                  ask_own && f == 0 && g0 == 0, part == NULL, nx);
                 }
         }
         return;
@@ -972,7 +970,7 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
     const int64_t span = (longest + parts - 1) / parts, part_floats = group * (d + 2);
     float *partial = parts > 1 ? (float *)malloc(sizeof(float) * batch * hk * parts * part_floats) : NULL;
     if (parts > 1 && partial == NULL) return -1;
-    const int64_t per_item = group * d + VLEN * d + group * d + group * span;
+    const int64_t per_item = group * d + VLEN * d + group * d + group + group * span;
     int failed = 0;
     const int tiles = kunlun_decode_attention_on_tiles(bf16, d, hq, hk);
     one_head_fn *const head = one_head_build(bf16, d, split.pipelined);
