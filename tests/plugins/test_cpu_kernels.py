@@ -98,6 +98,7 @@ def test_bf16_decode_rows_multiply_on_the_amx_tiles_where_granted(native_kernel_
     (16, 1, 128, 32),  # a whole tile of query heads; two tile loads a block
     (32, 4, 256, 16),  # wide token rows; four passes of 64 features over the values
     (7, 1, 32, 5),  # blocks shorter than a tile: keys gathered
+    (21, 3, 96, 16),  # head size 96: three 32-feature lines a row, 7 query heads a KV head
     (17, 1, 64, 16),  # more query heads than a tile holds: two tiles of lanes, the second of one head
     (40, 1, 64, 16),  # three tiles of lanes
     (48, 8, 128, 16),  # 8 KV heads of 128, six query heads each: tiles of lanes six wide
