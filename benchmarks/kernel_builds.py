@@ -33,10 +33,9 @@ Work:
 - ``prompt-attention``: ``kunlun_paged_prefill_attention`` over the shapes,
   heads and head size of ``prompt_attention.py``;
 - ``decode-attention``: ``kunlun_paged_decode_attention`` as one decode step
-  calls it (24 layers each with a cache of its own in huge pages, as the
-  engine's, blocks scattered, or with
-  ``--blocks ordered`` each sequence's blocks one after another, as a fresh
-  engine's cache holds them), at ``DECODE_SHAPES``: the 0.5B model's heads
+  calls it (24 layers each with a cache of its own, in huge pages as the
+  engine's, blocks scattered, or with ``--blocks ordered`` each sequence's
+  blocks one after another, as a fresh engine's cache holds them), at ``DECODE_SHAPES``: the 0.5B model's heads
   (14 query heads over 2 KV heads, or ``--heads``), and one sequence of a
   model with a single KV head, split among the threads; ``--warm`` runs every
   layer over one cache, so that where it fits the CPU's caches the kernel's
@@ -138,6 +137,19 @@ def chunk_rows_option(value: str) -> str | dict[str, int | None]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r}: give first, each, or two row counts FLOAT32,BF16 "
                                          f"(never for either), e.g. 64,32") from None
+
+
+def heads_option(value: str) -> tuple[int, int]:
+    """``--heads``: ``QUERY/KV`` head counts, the query heads a multiple of the KV heads (e.g. 32/4)."""
+    hq, _, hk = value.partition("/")
+    try:
+        heads = int(hq), int(hk)
+    except ValueError:
+        heads = (0, 0)
+    if min(heads) < 1 or heads[0] % heads[1]:
+        raise argparse.ArgumentTypeError(f"{value!r}: give QUERY/KV head counts, the query heads a multiple of the "
+                                         f"KV heads, e.g. 32/4")
+    return heads
 
 
 def build_all(named: dict[str, str], work: Path, chunk_rows: str | dict[str, int | None]) -> dict[str, ctypes.CDLL]:
@@ -262,7 +274,8 @@ def main() -> None:
                         help="decode-attention: the cache's blocks scattered, or each sequence's in order")
     parser.add_argument("--warm", action="store_true",
                         help="decode-attention: every layer over one cache, warm in the CPU's caches")
-    parser.add_argument("--heads", help="decode-attention: QUERY/KV heads for the 0.5B model's cases (14/2)")
+    parser.add_argument("--heads", type=heads_option,
+                        help="decode-attention: QUERY/KV heads for the 0.5B model's cases (14/2)")
     parser.add_argument("--turns", type=int, default=9, help="calls of each build per case, in turns (medians)")
     parser.add_argument("--chunk-rows", type=chunk_rows_option, default="first",
                         help="AVX2 GEMMs: from how many rows tiles go in chunks: first (measured on the first build, "
@@ -288,8 +301,7 @@ def main() -> None:
         else:
             shapes = DECODE_SHAPES
             if args.heads:
-                hq, _, hk = args.heads.partition("/")
-                shapes = [(b, c, (int(hq), int(hk)) if h == prompt_attention.HEADS else h) for b, c, h in shapes]
+                shapes = [(b, c, args.heads if h == prompt_attention.HEADS else h) for b, c, h in shapes]
             cases = [(f"{batch} x {ctx}, heads {hq}/{hk}",
                       lambda lib, b=batch, c=ctx, h=(hq, hk): decode_attention_work(lib, dtype, b, c, h,
                                                                                     args.blocks == "ordered",
@@ -318,7 +330,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"machine": facts, "work": args.work, "dtype": args.dtype, "blocks": args.blocks,
-                                "warm": args.warm, "heads": args.heads,
+                                "warm": args.warm, "heads": "/".join(map(str, args.heads)) if args.heads else None,
                                 "builds": named, "chunk_rows": args.chunk_rows, "turns": args.turns,
                                 "results": results}) + "\n")
 

@@ -251,7 +251,8 @@ INLINE void transposed_scores_fixed(const uint16_t *qg, const uint32_t *kt, int6
     __m512 acc[8][2];
     UNROLL for (int g = 0; g < heads; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < d / 2; p += 2) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * 16), k1 = (__m512bh)_mm512_loadu_si512(kt + p * 16 + 16);
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * 16);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * 16 + 16);
         UNROLL for (int g = 0; g < heads; g++) {
             const uint32_t *qd = (const uint32_t *)(qg + g * d);
             acc[g][0] = _mm512_dpbf16_ps(acc[g][0], k0, (__m512bh)_mm512_set1_epi32((int)qd[p]));
@@ -292,10 +293,9 @@ INLINE void pair_probabilities(float *s, int64_t group, int64_t len, int64_t d, 
         __m512 vsum = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t += 32) {
             const int64_t n = len - t < 32 ? len - t : 32, stored = n + (n & 1);
-            const __m512 lo = _mm512_maskz_mov_ps(tail_mask(n), pow2_probability(_mm512_sub_ps(vf_load_n(row, t, n, 0),
-                                                                                                 vtop)));
-            const __m512 hi = _mm512_maskz_mov_ps(tail_mask(n - 16),
-                                                  pow2_probability(_mm512_sub_ps(vf_load_n(row, t + 16, n - 16, 0), vtop)));
+            const __m512 e0 = pow2_probability(_mm512_sub_ps(vf_load_n(row, t, n, 0), vtop));
+            const __m512 e1 = pow2_probability(_mm512_sub_ps(vf_load_n(row, t + 16, n - 16, 0), vtop));
+            const __m512 lo = _mm512_maskz_mov_ps(tail_mask(n), e0), hi = _mm512_maskz_mov_ps(tail_mask(n - 16), e1);
             vsum = _mm512_add_ps(vsum, _mm512_add_ps(lo, hi));
             _mm512_mask_storeu_epi16((uint16_t *)row + t, stored >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << stored) - 1),
                                      (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
