@@ -248,7 +248,7 @@ INLINE void transposed_keys(const uint16_t *k_cache, const int64_t *key, int64_t
  * transposed keys kt: two sums a head, the even pairs' and the odd ones', so that twice the chains are in flight */
 INLINE void transposed_scores_fixed(const uint16_t *qg, const uint32_t *kt, int64_t d, float scale, float *scores,
                                     int64_t len, int64_t t0, int64_t tn, const int heads) {
-    __m512 acc[8][2];
+    __m512 acc[MAX_GROUP][2];
     UNROLL for (int g = 0; g < heads; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < d / 2; p += 2) {
         const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * 16);
@@ -411,8 +411,9 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
     token_rows(table, lo, hi, h, hk, d, block_size, rows);
     for (int64_t g = 0; g < group; g++) widen_row(q, (b * hq + h * group + g) * d, d, qf + g * d, bf16);
 #if BF16_PAIRS
-    /* the pairs' path takes its softmax in base 2 (pair_probabilities) */
-    const float score_scale = bf16 && d % 32 == 0 ? scale * 1.44269504088896341f : scale;
+    /* bf16 pairs through VDPBF16PS for both products, and the softmax in base 2 (pair_probabilities) */
+    const int pairs = bf16 && d % 32 == 0;
+    const float score_scale = pairs ? scale * 1.44269504088896341f : scale;
 #endif
     /* scores: q . k for every cached key, VLEN keys at a time per query head (one transposing sum for VLEN dots) */
     for (int64_t t0 = 0; t0 < len; t0 += VLEN) {
@@ -427,16 +428,16 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
         int64_t key[VLEN];
         UNROLL for (int i = 0; i < VLEN; i++) key[i] = rows[t0 + (i < tn ? i : tn - 1)];
 #if BF16_PAIRS
-        if (bf16 && d % 32 == 0 && group >= TRANSPOSED_MIN_GROUP) {  /* keys a lane: see BF16_PAIRS */
+        if (pairs && group >= TRANSPOSED_MIN_GROUP) {  /* keys a lane: see BF16_PAIRS */
             uint32_t *kt = (uint32_t *)kf;
             transposed_keys((const uint16_t *)k_cache, key, d, kt);
             const uint16_t *q0 = (const uint16_t *)q + (b * hq + h * group) * d;
-            for (int64_t g0 = 0; g0 < group; g0 += 8)
+            for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP)
                 transposed_scores(q0 + g0 * d, kt, d, score_scale, scores + g0 * len, len, t0, tn,
-                                  group - g0 < 8 ? group - g0 : 8);
+                                  group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP);
             continue;
         }
-        if (bf16 && d % 32 == 0) {  /* bf16 pairs straight into VDPBF16PS, float32 sums */
+        if (pairs) {  /* bf16 pairs straight into VDPBF16PS, float32 sums */
             const uint16_t *keys_bf16 = (const uint16_t *)k_cache;
             for (int64_t g = 0; g < group; g++) {
                 const uint16_t *qg = (const uint16_t *)q + (b * hq + h * group + g) * d;
@@ -473,21 +474,9 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
         }
     }
 #if BF16_PAIRS
-    if (bf16 && d % 32 == 0) {  /* pairs of tokens through VDPBF16PS (see BF16_PAIRS), otherwise as below */
+    if (pairs)
         pair_probabilities(scores, group, len, d, part, norms);
-        for (int64_t t0 = 0; t0 < len; t0 += VALUES_TILE) {
-            const int64_t t1 = len - t0 < VALUES_TILE ? len : t0 + VALUES_TILE;
-            for (int64_t f = 0; f < d; f += 32)
-                for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
-                    const int64_t gn = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
-                    const int64_t at = (part != NULL ? g0 * d : (b * hq + h * group + g0) * d) + f;
-                    paired_values((const uint16_t *)v_cache, rows, scores + g0 * len, norms + g0, len, t0, t1,
-                                  vsum + g0 * d, f, part != NULL ? (void *)part : out, at, d, gn,
-                                  ask_own && f == 0 && g0 == 0, part == NULL, nx);
-                }
-        }
-        return;
-    }
+    else
 #endif
     /* softmax per query head, float32 */
     for (int64_t g = 0; g < group; g++) {
@@ -534,6 +523,13 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
                 float *sums = vsum + g0 * d;
                 void *dst = part != NULL ? (void *)part : out;
                 const int ask = ask_own && c == 0 && g0 == 0, obf16 = part == NULL && bf16;
+#if BF16_PAIRS
+                if (pairs) {  /* VALUE_CHUNKS * VLEN features: one line of bf16 values, tokens in pairs */
+                    paired_values((const uint16_t *)v_cache, rows, p, norms + g0, len, t0, t1, sums, VLEN * c, dst,
+                                  at, d, gn, ask, obf16, nx);
+                    continue;
+                }
+#endif
                 if (chunks - c < VALUE_CHUNKS)
                     weighted_values(v_cache, rows, p, len, t0, t1, sums, VLEN * c, dst, at, d, gn, 1, bf16, ask,
                                     obf16, nx);
