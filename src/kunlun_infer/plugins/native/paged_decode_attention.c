@@ -302,7 +302,7 @@ INLINE void pair_probabilities(float *s, int64_t group, int64_t len, int64_t d, 
         }
         const float total = _mm512_reduce_add_ps(vsum);
         if (part != NULL) {
-            part[group * d + g] = top * 0.693147180559945309f;
+            part[group * d + g] = top * LN2;
             part[group * d + group + g] = total;
         }
         norms[g] = part != NULL ? 1.0f : 1.0f / total;
@@ -413,7 +413,7 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
 #if BF16_PAIRS
     /* bf16 pairs through VDPBF16PS for both products, and the softmax in base 2 (pair_probabilities) */
     const int pairs = bf16 && d % 32 == 0;
-    const float score_scale = pairs ? scale * 1.44269504088896341f : scale;
+    const float score_scale = pairs ? scale * LOG2E : scale;
 #endif
     /* scores: q . k for every cached key, VLEN keys at a time per query head (one transposing sum for VLEN dots) */
     for (int64_t t0 = 0; t0 < len; t0 += VLEN) {
@@ -711,7 +711,7 @@ static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16
     }
     AMX_MEMORY_BARRIER();
     /* softmax per lane over the keys, base 2 */
-    const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f);
+    const __m512 sc = _mm512_set1_ps(scale * LOG2E);
     __m512 m0 = _mm512_set1_ps(-3.0e38f), m1 = m0;
     int64_t t = 0;
     for (; t + 2 <= len; t += 2) {
@@ -792,7 +792,7 @@ static void tiles_lanes(const uint16_t *q, const uint16_t *k_cache, const uint16
         const int64_t at = lane0 + g; /* the head's place in the group */
         if (part != NULL) { /* unnormalised, the top in natural units (merge_parts) */
             for (int64_t f = 0; f < d; f += 16) _mm512_storeu_ps(part + at * d + f, _mm512_loadu_ps(w->o + g * d + f));
-            part[group * d + at] = tops[g] * 0.69314718055994531f;
+            part[group * d + at] = tops[g] * LN2;
             part[group * d + group + at] = sums[g];
             continue;
         }

@@ -421,7 +421,7 @@ INLINE __m512 seen_exp(__m512 x, __m512 scale, __m512 top, __m512 k, __m512 qpos
  * turn: four chains of max and of sum. Returns 1 if the sums so far must take alpha (some lane's max moved). */
 INLINE int amx_softmax(const float *s, int64_t nk, int64_t padded, int64_t k0, float scale, const float *qpos,
                        float *top, float *sum, float *alpha, uint32_t *pp, const int diagonal) {
-    const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f), hidden = _mm512_set1_ps(-3.0e38f);
+    const __m512 sc = _mm512_set1_ps(scale * LOG2E), hidden = _mm512_set1_ps(-3.0e38f);
     const __m512 zero = _mm512_setzero_ps(), q0 = _mm512_loadu_ps(qpos), q1 = _mm512_loadu_ps(qpos + 16);
     __m512 m00 = hidden, m01 = hidden, m10 = hidden, m11 = hidden; /* the raw scores' max: scale > 0 */
     for (int64_t t = 0; t < nk; t += 2) {

@@ -15,6 +15,10 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* log2(e) and ln(2): the softmaxes in base 2 scale their scores by LOG2E, and give their tops back in natural units */
+#define LOG2E 1.44269504088896341f
+#define LN2 0.693147180559945309f
+
 #if defined(__AVX512F__)
 
 #define VLEN 16
@@ -386,7 +390,7 @@ INLINE void prefetch_span(const void *p, const int64_t bytes) {
  * Serves SwiGLU's sigmoid and the softmax of decode attention. */
 INLINE vf vf_exp(vf x) {
     x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(88.0f));
-    const vf n = vf_round_int(vf_mul(x, vf_set1(1.44269504088896341f)));
+    const vf n = vf_round_int(vf_mul(x, vf_set1(LOG2E)));
     vf r = vf_fma(n, vf_set1(-0.693359375f), x);
     r = vf_fma(n, vf_set1(2.12194440e-4f), r);
     vf p = vf_set1(1.0f / 5040);
