@@ -166,6 +166,13 @@ Changes
     says ``True`` must order that copy and its ``record_event`` behind the
     step's kernels, as a device queue does. A 1.6 streams plugin has no such
     property, gets ``False`` and runs every step as before.
+    1.8 — the op table gains ``greedy_tokens(logits)``: each row's argmax
+    (int64; the first index of the largest value, a NaN counted largest),
+    which the engine's sampler takes for greedy rows and speculative
+    decoding's checks. The engine asks for it apart from the model's ops
+    (``Runtime.optional_ops``): a provider without it is served by the
+    reference, noted at info level, and is not refused under
+    ``ops.strict``, so a 1.7 plugin loads and runs unchanged.
 """
 
 from __future__ import annotations
@@ -183,7 +190,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 #: pluggy project name and entry-point group
 PROJECT_NAME = "kunlun_infer"
 #: version of this contract, ``(major, minor)``
-HOOK_API_VERSION: tuple[int, int] = (1, 7)
+HOOK_API_VERSION: tuple[int, int] = (1, 8)
 HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

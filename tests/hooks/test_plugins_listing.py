@@ -13,6 +13,7 @@ require_package("kunlun_infer_simchip", "kunlun-infer-simchip")
 
 from kunlun_infer.cli import main  # noqa: E402
 from kunlun_infer.layers.moe import MOE_OPS  # noqa: E402
+from kunlun_infer.engine.sampler import SAMPLER_OPS  # noqa: E402
 from kunlun_infer.layers.quantization import INT8_OPS  # noqa: E402
 
 
@@ -43,8 +44,10 @@ def test_json_matrix_carries_coverage_per_ops_option():
     data = json.loads(run("plugins", "--json"))
     simchip = data["ops_coverage"]["simchip"]
     assert simchip["plugin"] == "simchip" and simchip["error"] is None
-    # plus the int8 ops of hook API 1.3 and the mixture-of-experts ops of 1.4, which this plugin predates
-    assert simchip["fallbacks"] == sorted(["paged_attention", "rotary_embedding", *INT8_OPS, *MOE_OPS])
+    # plus the int8 ops of hook API 1.3, the mixture-of-experts ops of 1.4 and the sampler's of 1.8, which this
+    # plugin predates
+    assert simchip["fallbacks"] == sorted(["paged_attention", "rotary_embedding", *INT8_OPS, *MOE_OPS,
+                                           *SAMPLER_OPS])
     assert simchip["attention"] == "simchip-kunlun-layout"  # its own backend: paged_attention is not needed
     for builtin in ("torch", "cpu"):  # the built-in op tables are complete and answer without a device
         assert data["ops_coverage"][builtin]["error"] is None
@@ -55,12 +58,13 @@ def test_json_matrix_carries_coverage_per_ops_option():
 
 
 # without the vendor's kernel library, ops=kunlun runs its vendor-backed ops (the mixture-of-experts ones too) on
-# the reference (and the int8 ops of hook API 1.3 on the reference everywhere)
+# the reference (and the int8 ops of hook API 1.3 and the sampler's of 1.8, torch's own on the device, everywhere)
 KUNLUN_WITHOUT_KERNELS = sorted(["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", *INT8_OPS,
-                                 *MOE_OPS])
+                                 *MOE_OPS, *SAMPLER_OPS])
 
 
-@pytest.mark.parametrize("name,module,comm,fallbacks", [("cuda", "kunlun_infer_cuda", "nccl", sorted(INT8_OPS)),
+@pytest.mark.parametrize("name,module,comm,fallbacks", [("cuda", "kunlun_infer_cuda", "nccl",
+                                                         sorted([*INT8_OPS, *SAMPLER_OPS])),
                                                         ("kunlun", "kunlun_infer_kunlun", "bkcl",
                                                          KUNLUN_WITHOUT_KERNELS)])
 def test_hardware_plugins_list_on_a_host_without_their_hardware(name, module, comm, fallbacks, monkeypatch):

@@ -770,6 +770,41 @@ def test_native_token_bitmask_forbids_exactly_what_the_reference_forbids(native_
     assert bool(mine[rows[4]].isinf().all()) and torch.equal(mine[rows[3]], logits[rows[3]])
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 16, 31, 32, 33, 47, 1000, 151936])
+def test_native_greedy_tokens_pick_what_torch_picks(native_kernel_set, vocab):
+    """The first index of the largest value, wherever it lies: in either set of lanes, in the tail past the
+    last whole pair of vectors, tied, beside NaNs, infinities and signed zeros; rows read at a stride."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = torch.randn(40, vocab + 5, generator=g)
+    rows[:, vocab:] = 1e9  # past each row's end: read, they would win
+    logits = rows[:, :vocab]
+    for r in range(16):  # the largest at each place a vector's lanes may hold it
+        logits[r, (r * 37 + vocab - 1) % vocab] = 9.0
+    logits[16, [0, vocab - 1]] = 9.0  # tied at both ends: the first
+    logits[17, vocab // 3:] = 9.0  # tied from a third on
+    logits[18, [vocab - 1, vocab // 2]] = float("nan")  # the first NaN, even before a larger value
+    logits[18, 0] = float("inf")
+    logits[19] = float("-inf")  # nothing drawable: index 0
+    logits[20, [vocab // 4, vocab - 1]] = float("inf")
+    logits[21] = -0.0
+    logits[21, vocab - 1] = 0.0  # +0 equals -0: the first
+    logits[22] = -1e30
+    logits[22, vocab - 1] = -1e29  # the largest, in the last lane of the tail
+    want = reference.greedy_tokens(logits)
+    mine = cpu_kernels.greedy_tokens(logits)
+    assert mine.dtype == torch.int64 and torch.equal(mine, want)
+    assert int(mine[19]) == 0 and (vocab < 3 or int(mine[18]) == min(vocab // 2, vocab - 1))
+
+
+def test_native_greedy_tokens_take_what_they_can_and_leave_the_rest_to_the_reference(native_kernel_set):
+    """float32 rows of a 2-D tensor go through the native pass; another dtype, one row alone (1-D) or a
+    transposed view is the reference's, and every one of them answers as ``argmax`` does."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=g)
+    for x in (logits, logits.bfloat16(), logits[2], logits.t().contiguous().t()):
+        assert torch.equal(cpu_kernels.greedy_tokens(x), x.argmax(dim=-1))
+
+
 @pytest.mark.parametrize("seqs, hq, hk, d", [
     ([(1500, 1)], 8, 1, 16),  # one long context, one KV head: split among the threads
     ([(700, 1)], 14, 2, 16),  # two KV heads, more threads: the context in uneven parts, both heads in each

@@ -113,3 +113,33 @@ def test_unresolved_op_access_says_what_was_resolved(manager):
         table = rt.resolve_ops(["rms_norm"])
         with pytest.raises(AttributeError, match="op 'embedding' was not resolved.*rms_norm"):
             table.embedding
+
+
+class Before18OpsPlugin:
+    """An ops plugin written for hook API 1.7: every op of the table then, none of 1.8's ``greedy_tokens``."""
+
+    @hookimpl
+    def kunlun_infer_plugin_info(self):
+        return PluginInfo(name="before-1.8", version="0.1", capabilities=("ops",))
+
+    @hookimpl
+    def kunlun_infer_ops_factories(self):
+        kernels = {name: spec.reference for name, spec in OP_SPECS.items() if name != "greedy_tokens"}
+        return {"before-1.8": lambda *, config, device: DictOpsProvider(kernels)}
+
+
+def test_optional_ops_are_served_by_the_reference_without_a_warning_even_when_strict(manager, caplog):
+    manager.register(Before18OpsPlugin())
+    caplog.set_level(logging.INFO, logger="kunlun_infer.runtime")
+    with runtime(manager, "ops=before-1.8", "ops.strict=true") as rt:
+        assert rt.resolve_ops(MODEL_OPS).fallbacks == []  # the model's own ops: all the plugin's
+        with pytest.raises(OpsCoverageError, match="greedy_tokens"):
+            rt.resolve_ops(["greedy_tokens"])  # as a model's op, strict would refuse it
+        table = rt.optional_ops(["greedy_tokens"])
+        assert table.source("greedy_tokens") == "reference"
+        logits = torch.tensor([[0.0, 2.0, 2.0], [float("nan"), 1.0, float("nan")]])
+        assert table.greedy_tokens(logits).tolist() == [1, 0]
+    said = [r for r in caplog.records if "greedy_tokens" in r.getMessage() and "before-1.8" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]
+    with runtime(manager, "ops.strict=true") as rt:  # the built-in torch ops have it
+        assert rt.optional_ops(["greedy_tokens"]).source("greedy_tokens") == "torch-ops"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kunlun_ops_standin
+from kunlun_infer.engine.sampler import SAMPLER_OPS
 from kunlun_infer.layers.quantization import INT8_OPS
 from kunlun_infer.ops import OP_SPECS, reference
 from kunlun_infer.runtime import PluginManager
@@ -168,7 +169,8 @@ def test_without_the_library_the_vendor_ops_run_on_the_reference_and_coverage_sa
     with caplog.at_level(logging.INFO, logger="kunlun_infer.plugin.kunlun"):
         coverage = ops_coverage(PluginManager.load())["kunlun"]
     assert coverage["error"] is None
-    assert coverage["fallbacks"] == sorted([*VENDOR_OPS, *INT8_OPS])  # int8 ops (API 1.3): references
+    # int8 ops (API 1.3) and the sampler's (1.8; torch's own argmax on the device): references
+    assert coverage["fallbacks"] == sorted([*VENDOR_OPS, *INT8_OPS, *SAMPLER_OPS])
     assert coverage["sources"]["linear"] == coverage["sources"]["paged_attention"] == "kunlun"
     assert "kunlun_ops is not installed" in caplog.text
 
@@ -178,7 +180,8 @@ def test_a_missing_function_costs_only_its_own_op(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="kunlun_infer.plugin.kunlun"):
         coverage = ops_coverage(PluginManager.load())["kunlun"]
     # int8 ops (API 1.3): references; the expert pipeline needs swiglu too
-    assert coverage["fallbacks"] == sorted(["silu_and_mul", "fused_moe", "pack_moe_weights", *INT8_OPS])
+    assert coverage["fallbacks"] == sorted(["silu_and_mul", "fused_moe", "pack_moe_weights", *INT8_OPS,
+                                            *SAMPLER_OPS])
     assert {coverage["sources"][op] for op in ("rms_norm", "add_rms_norm", "rotary_embedding")} == {"kunlun"}
     assert "has no swiglu; silu_and_mul, pack_moe_weights, fused_moe run on the plain-torch reference" in caplog.text
 
@@ -192,4 +195,5 @@ def test_a_library_that_fails_to_import_is_reported_not_raised():
     vendor = load_vendor_kernels(import_module)
     assert vendor.module is None and vendor.broken
     assert "OSError: libxpurt.so" in vendor.reason
-    assert KunlunOps(vendor).available() == [op for op in OP_SPECS if op not in (*VENDOR_OPS, *INT8_OPS)]
+    assert KunlunOps(vendor).available() == [op for op in OP_SPECS if op not in (*VENDOR_OPS, *INT8_OPS,
+                                                                                  *SAMPLER_OPS)]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kunlun_infer.layers.moe import MOE_OPS
+from kunlun_infer.engine.sampler import SAMPLER_OPS
 from kunlun_infer.layers.quantization import INT8_OPS
 from kunlun_infer.ops import OP_SPECS, TOLERANCES
 
@@ -12,8 +13,10 @@ from kunlun_infer_simchip.ops import KERNELS, MISSING_OPS, SimchipOps
 
 def test_coverage_is_deliberately_partial():
     ops = SimchipOps()
-    # int8 ops (API 1.3) and mixture-of-experts ops (1.4) arrived after the chip's plugin: references
-    assert set(ops.available()) == set(OP_SPECS) - set(MISSING_OPS) - set(INT8_OPS) - set(MOE_OPS)
+    # int8 ops (API 1.3), mixture-of-experts ops (1.4) and the sampler's (1.8) arrived after the chip's plugin:
+    # references
+    assert set(ops.available()) == (set(OP_SPECS) - set(MISSING_OPS) - set(INT8_OPS) - set(MOE_OPS)
+                                    - set(SAMPLER_OPS))
     assert not ops.supports("paged_attention") and not ops.supports("rotary_embedding")
     assert ops.supports("linear") and ops.supports("pack_linear_weight")
 

@@ -24,7 +24,7 @@ import torch
 
 from kunlun_infer.engine.model_runner import ModelRunner, build_step_inputs
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.sampler import Sampler, draw_row, greedy_tokens
+from kunlun_infer.engine.sampler import SAMPLER_OPS, Sampler, draw_row
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.engine.step_graph import step_graphs
 from kunlun_infer.errors import ConfigError
@@ -81,7 +81,8 @@ class DraftModelProposer:
         model = load_model(path, runtime=runtime, dtype=dtype, max_model_len=max_model_len)
         device = runtime.device.torch_device
         sampler = Sampler(torch.Generator(device=device).manual_seed(seed),
-                          waits_are_free=not runtime.streams.asynchronous)
+                          waits_are_free=not runtime.streams.asynchronous,
+                          greedy=runtime.optional_ops(SAMPLER_OPS).greedy_tokens)
         runner = ModelRunner(model, device=device, block_size=block_size, sampler=sampler, memory=runtime.memory)
         # one rank (see load_proposer): its one-token drafting steps may replay captures
         runner.graphs = step_graphs(runtime, model, max_model_len=max_model_len, block_size=block_size)
@@ -154,7 +155,7 @@ class DraftModelProposer:
     def _draw(self, logits: torch.Tensor, params: SamplingParams,
               generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
         if params.greedy:
-            return int(greedy_tokens(logits)), None
+            return int(self.sampler.greedy(logits)), None
         dist = self.sampler.distribution(logits, [params])[0]
         token = draw_row(dist, generator if generator is not None else self.sampler.generator)
         return token, dist

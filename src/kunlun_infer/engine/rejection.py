@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.sampler import draw_row, greedy_tokens
+from kunlun_infer.engine.sampler import draw_row
 
 
 def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
@@ -25,7 +25,7 @@ def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
     """
     d = len(drafts)
     if params.greedy:
-        targets = greedy_tokens(logits).tolist()
+        targets = sampler.greedy(logits).tolist()
         kept = 0
         while kept < d and drafts[kept] == targets[kept]:
             kept += 1

@@ -32,14 +32,19 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.penalties import Tally, TokenHistory, apply_penalties
+from kunlun_infer.ops import reference
 from kunlun_infer.ops.upload import upload
+
+
+#: the op table's ops the sampler calls (hook API 1.8), asked for apart from the model's (``Runtime.optional_ops``)
+SAMPLER_OPS = ("greedy_tokens",)
 
 
 @dataclasses.dataclass
@@ -48,14 +53,6 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax over the last dimension: the first index of its largest value, a NaN counted largest, as
-    ``argmax(dim=-1)`` gives it, through ``max(dim=-1)``, whose reduction runs several times faster on CPU. On the
-    Xeon with AMX (2 threads, torch 2.13), float32 rows of 151936 logits: 1 row 0.22 -> 0.08 ms, 8 rows 1.0 -> 0.44,
-    32 rows 6.8 -> 1.8 (in a decode step of 32 rows, ~78 ms, 6% of its time)."""
-    return logits.max(dim=-1).indices
 
 
 def mask_stop_tokens(logits: torch.Tensor, rows: list[int], stop_ids: list[frozenset[int]]) -> torch.Tensor:
@@ -333,9 +330,12 @@ def draw_row(probs: torch.Tensor, generator: torch.Generator) -> int:
 class Sampler:
     """Turns a ``[N, vocab]`` float32 logits tensor into tokens for N requests."""
 
-    def __init__(self, generator: torch.Generator, structured: Any = None, *, waits_are_free: bool = False) -> None:
+    def __init__(self, generator: torch.Generator, structured: Any = None, *, waits_are_free: bool = False,
+                 greedy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         #: the uniforms of rows without a seed of their own
         self.generator = generator
+        #: each row's argmax (the op table's ``greedy_tokens``: the ops plugin's, where it has one)
+        self.greedy = greedy if greedy is not None else reference.greedy_tokens
         #: the engine's :class:`~kunlun_infer.engine.structured.StructuredOutputs` (masks constrained rows)
         self.structured = structured
         #: the host may read the device's results mid-draw at no cost (``Streams.asynchronous`` false): top-k and
@@ -366,10 +366,10 @@ class Sampler:
             self.structured.apply(processed, histories)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return greedy_tokens(processed), processed
+            return self.greedy(processed), processed
         sampled = draw_from(self.weights(processed, params), self.uniforms(params, generators, device))
         if any(greedy):
-            sampled = torch.where(upload(greedy, device), greedy_tokens(processed), sampled)
+            sampled = torch.where(upload(greedy, device), self.greedy(processed), sampled)
         return sampled, processed
 
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],

@@ -146,6 +146,21 @@ def _sample_token_bitmask(dtype, device, g):
     return (logits, bitmask.to(device), torch.tensor([4, 0, 2], device=device)), {}
 
 
+def _sample_greedy(dtype, device, g):
+    """float32 logits (what the sampler is given) whatever ``dtype``: rows with a tie for the largest value, a
+    NaN, nothing but -inf, +inf twice, a largest value in a row's last few logits, and a row a vector's width
+    plus a few long (the last one's sample rows are 37 logits, the others 1000)."""
+    vocab = 37 if g.initial_seed() % 2 else 1000
+    logits = torch.randn(8, vocab, generator=g)
+    logits[0, [3, vocab - 2]] = 50.0  # a tie: the first wins
+    logits[1, [vocab // 2, vocab - 1]] = float("nan")  # the first NaN wins
+    logits[2] = float("-inf")  # nothing drawable: index 0
+    logits[3, [5, 9]] = float("inf")
+    logits[4, vocab - 1] = 50.0  # in the tail past the last whole vector
+    logits[5] = 1.0  # all tied
+    return (logits.to(device),), {}
+
+
 #: the cases of ``moe_route``'s conformance samples: Mixtral / Qwen3-MoE (renormalised or not), DeepSeek-V2,
 #: DeepSeek-V3
 _ROUTE_CASES = (
@@ -201,6 +216,8 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("moe_route", reference.moe_route, _sample_moe_route, variants=len(_ROUTE_CASES)),
         OpSpec("pack_moe_weights", reference.pack_moe_weights, _sample_fused_moe),
         OpSpec("fused_moe", reference.fused_moe, _sample_fused_moe),
+        # added in hook API 1.8 (greedy decoding)
+        OpSpec("greedy_tokens", reference.greedy_tokens, _sample_greedy, variants=2),
     )
 }
 for _name, _spec in OP_SPECS.items():

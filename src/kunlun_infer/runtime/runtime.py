@@ -134,6 +134,16 @@ class Runtime:
                                 "(set ops.strict=true to refuse)", self._providers["ops"], len(new), ", ".join(new))
         return table
 
+    def optional_ops(self, ops: Iterable[str]) -> OpTable:
+        """Ops the engine calls around the model (``greedy_tokens``, hook API 1.8): the plugin's where it has
+        them, else the references, and never refused under ``ops.strict``: a plugin written before they were in
+        the op table cannot have them, and runs as it did."""
+        table = resolve(ops, provider=unwrap(self.ops), plugin=self._providers["ops"], strict=False)
+        if table.fallbacks:
+            runtime_log.info("ops plugin '%s' has no %s: the plain-torch reference serves", self._providers["ops"],
+                             ", ".join(table.fallbacks))
+        return table
+
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend | None:
         """The ops plugin's attention backend for ``spec`` (guarded), or ``None`` when the reference serves."""
         backend = plugin_attention_backend(unwrap(self.ops), self._providers["ops"], spec)
