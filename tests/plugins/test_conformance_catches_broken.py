@@ -164,3 +164,21 @@ def test_mla_backend_check_passes_the_cpu_backend_and_names_a_wrong_one():
         with pytest.raises(ConformanceError, match=r"MLA attention backend 'torch-mla' \(4 heads.*attend_latent "
                                                    r"output differs"):
             check_backend(broken(spec), spec, torch.device("cpu"))
+
+
+def test_check_op_requires_indices_to_match_exactly_at_every_dtype():
+    """An argmax one token off is wrong whatever the dtype's tolerance (2e-2 relative in bf16 would pass an index
+    of 100 for 101), and so is a last-of-ties argmax."""
+    def one_past(logits):
+        return reference.greedy_tokens(logits) + 1
+
+    def last_of_ties(logits):
+        flipped = logits.flip(-1)
+        return logits.shape[-1] - 1 - reference.greedy_tokens(flipped)
+
+    for broken in (one_past, last_of_ties):
+        for dtype in (torch.float32, torch.bfloat16):
+            with pytest.raises(ConformanceError, match=rf"op 'greedy_tokens' \({dtype}.*exact match required"):
+                check_op(DictOpsProvider({"greedy_tokens": broken}), "greedy_tokens", dtype, torch.device("cpu"))
+    check_op(DictOpsProvider({"greedy_tokens": reference.greedy_tokens}), "greedy_tokens", torch.bfloat16,
+             torch.device("cpu"))
