@@ -48,6 +48,9 @@ import machine  # noqa: E402  (a sibling file: what every benchmark records of t
 REPO = Path(__file__).resolve().parent.parent
 #: name -> SamplingParams keywords: what chat clients commonly send
 CASES = {
+    # greedy decoding: transformers' generate() takes argmax; the engine the op table's greedy_tokens, as its cpu
+    # ops answer it (hook API 1.8)
+    "greedy": {"temperature": 0.0},
     "temperature 0.7": {"temperature": 0.7},
     "temperature 0.2": {"temperature": 0.2},  # code and agents: most of a row far below its top token
     "top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
@@ -84,6 +87,8 @@ def transformers_step(kwargs: dict[str, Any], history: tuple[int, int]) -> Calla
     by the drawn tokens)."""
     import transformers as tf
 
+    if kwargs.get("temperature", 1.0) == 0.0:
+        return lambda logits: logits.argmax(dim=-1)
     warpers = tf.LogitsProcessorList()
     if kwargs.get("temperature", 1.0) != 1.0:
         warpers.append(tf.TemperatureLogitsWarper(kwargs["temperature"]))
@@ -115,11 +120,16 @@ def transformers_step(kwargs: dict[str, Any], history: tuple[int, int]) -> Calla
 def engine_step(sampler_module: Any, kwargs: dict[str, Any], rows: int,
                 history: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
     from kunlun_infer.engine.params import SamplingParams
+    from kunlun_infer.plugins import cpu_kernels
 
-    try:
-        sampler = sampler_module.Sampler(torch.Generator().manual_seed(0), waits_are_free=True)
-    except TypeError:  # a revision from before the nucleus search: it always sorts
-        sampler = sampler_module.Sampler(torch.Generator().manual_seed(0))
+    try:  # the cpu ops' greedy_tokens, as the engine resolves it
+        sampler = sampler_module.Sampler(torch.Generator().manual_seed(0), waits_are_free=True,
+                                         greedy=cpu_kernels.greedy_tokens)
+    except TypeError:  # a revision from before greedy_tokens (1.8), or the nucleus search: it always sorts
+        try:
+            sampler = sampler_module.Sampler(torch.Generator().manual_seed(0), waits_are_free=True)
+        except TypeError:
+            sampler = sampler_module.Sampler(torch.Generator().manual_seed(0))
     params = [SamplingParams(**kwargs)] * rows
     generators = [torch.Generator().manual_seed(i) if "seed" in kwargs else None for i in range(rows)]
     if not params[0].has_penalties:
