@@ -58,9 +58,9 @@
  * tokens, 0.92-0.97x for 8 x 1024; within the host's noise with AVX-512, whose two passes read a line each) */
 #define VALUES_TILE 64
 /* tokens of a pass over the values between two asks for the next item's rows (next_rows): each ask a few lines more,
- * a quarter as often as every 4 tokens. The Zen 5 (AVX-512 BF16), kernel_builds.py in turns, two runs, A/A 0.99-1.01:
- * bf16 caches with blocks scattered 0.90-0.92x the time at 8 and 32 x 1024 tokens, 0.95-1.01x at 8 x 256, 0.97x at
- * 1 x 4096; in order 0.93-1.03x; float32 caches within the noise (0.92-1.09x, A/A 0.95-1.00) */
+ * a quarter as often as every 4 tokens. The Zen 5 (AVX-512 BF16), kernel_builds.py in turns, two or three runs, A/A
+ * 0.95-1.03: bf16 caches with blocks scattered 0.90-0.92x the time at 8 and 32 x 1024 tokens, 0.95-1.00x at 8 x 256,
+ * 0.97x at 1 x 4096; in order 0.93-1.05x; float32 caches within the noise (0.91-1.09x) */
 #define VALUES_ASK_TOKENS 16
 /* the fewest tokens of a context split among threads, and the most parts it is split into */
 #define PART_TOKENS 256
