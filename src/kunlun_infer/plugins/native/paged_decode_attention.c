@@ -412,12 +412,13 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
     const int64_t group = hq / hk, chunks = d / VLEN, len = hi - lo;
     float *qf = work, *kf = work + group * d, *vsum = kf + VLEN * d, *norms = vsum + group * d, *scores = norms + group;
     token_rows(table, lo, hi, h, hk, d, block_size, rows);
-    for (int64_t g = 0; g < group; g++) widen_row(q, (b * hq + h * group + g) * d, d, qf + g * d, bf16);
-#if BF16_PAIRS
     /* bf16 pairs through VDPBF16PS for both products, and the softmax in base 2 (pair_probabilities) */
-    const int pairs = bf16 && d % 32 == 0;
+    const int pairs = BF16_PAIRS && bf16 && d % 32 == 0;
+#if BF16_PAIRS
     const float score_scale = pairs ? scale * LOG2E : scale;
 #endif
+    if (!pairs)  /* the pairs read the query heads' bf16 rows as they are */
+        for (int64_t g = 0; g < group; g++) widen_row(q, (b * hq + h * group + g) * d, d, qf + g * d, bf16);
     /* scores: q . k for every cached key, VLEN keys at a time per query head (one transposing sum for VLEN dots) */
     for (int64_t t0 = 0; t0 < len; t0 += VLEN) {
         const int64_t tn = len - t0 < VLEN ? len - t0 : VLEN;
