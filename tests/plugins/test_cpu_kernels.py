@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import subprocess
 
 import pytest
 import torch
@@ -657,6 +658,39 @@ def test_without_a_compiler_or_when_the_build_fails_torch_serves_and_says_why(mo
     chosen = cpu_native.selection.__wrapped__()
     assert chosen.name == "torch" and "avx2 kernels did not build" in chosen.reason
     assert not list((tmp_path / "kunlun_infer" / "kernels").glob("*.so"))  # no half-written library left
+
+
+def _plain_kernel_set() -> cpu_native.KernelSet:
+    return cpu_native.KernelSet("plain", frozenset(), (), "no ISA flags")
+
+
+def test_a_build_of_many_sources_is_one_library_with_all_their_functions(tmp_path):
+    """The sources compile each to an object (several at once) and link into one library; nothing else is left."""
+    sources = []
+    for i in range(5):
+        path = tmp_path / f"part{i}.c"
+        path.write_text(f"int part{i}(int x) {{ return x * {i + 2}; }}\n")
+        sources.append(path)
+    out = tmp_path / "lib"
+    out.mkdir()
+    target = out / "parts.so"
+    cpu_native.compile_sources("cc", _plain_kernel_set(), tuple(sources), target)
+    lib = ctypes.CDLL(str(target))
+    assert [getattr(lib, f"part{i}")(10) for i in range(5)] == [20, 30, 40, 50, 60]
+    assert [p.name for p in out.iterdir()] == ["parts.so"]
+
+
+def test_a_source_that_does_not_compile_names_itself_and_leaves_no_library(tmp_path):
+    good = tmp_path / "good.c"
+    good.write_text("int good(void) { return 1; }\n")
+    bad = tmp_path / "bad_kernel.c"
+    bad.write_text("int bad(void) { return undeclared_name; }\n")
+    out = tmp_path / "lib"
+    out.mkdir()
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        cpu_native.compile_sources("cc", _plain_kernel_set(), (good, bad), out / "parts.so")
+    assert "bad_kernel.c" in failed.value.stderr and "undeclared_name" in failed.value.stderr
+    assert not list(out.iterdir())  # neither a library nor the objects' folder
 
 
 _AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"}
