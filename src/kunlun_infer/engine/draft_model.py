@@ -24,7 +24,7 @@ import torch
 
 from kunlun_infer.engine.model_runner import ModelRunner, build_step_inputs
 from kunlun_infer.engine.params import SamplingParams
-from kunlun_infer.engine.sampler import SAMPLER_OPS, Sampler, draw_row
+from kunlun_infer.engine.sampler import Sampler, draw_row
 from kunlun_infer.engine.sequence import Sequence
 from kunlun_infer.engine.step_graph import step_graphs
 from kunlun_infer.errors import ConfigError
@@ -80,9 +80,7 @@ class DraftModelProposer:
                               f"model.max_model_len={max_model_len}; lower model.max_model_len")
         model = load_model(path, runtime=runtime, dtype=dtype, max_model_len=max_model_len)
         device = runtime.device.torch_device
-        sampler = Sampler(torch.Generator(device=device).manual_seed(seed),
-                          waits_are_free=not runtime.streams.asynchronous,
-                          greedy=runtime.optional_ops(SAMPLER_OPS).greedy_tokens)
+        sampler = Sampler.for_runtime(runtime, torch.Generator(device=device).manual_seed(seed))
         runner = ModelRunner(model, device=device, block_size=block_size, sampler=sampler, memory=runtime.memory)
         # one rank (see load_proposer): its one-token drafting steps may replay captures
         runner.graphs = step_graphs(runtime, model, max_model_len=max_model_len, block_size=block_size)

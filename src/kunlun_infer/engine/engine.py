@@ -52,7 +52,7 @@ from kunlun_infer.engine.parallel.stages import Grid
 from kunlun_infer.engine.parallel.placement import local_rank, resolve_parallel_config
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.sample_group import SampleGroup
-from kunlun_infer.engine.sampler import SAMPLER_OPS, Sampler
+from kunlun_infer.engine.sampler import Sampler
 from kunlun_infer.engine.scheduler import ScheduledBatch, Scheduler
 from kunlun_infer.engine.step_graph import step_graphs
 from kunlun_infer.engine.startup import (choose_dtype, choose_max_model_len, measure_activation_bytes, model_dir,
@@ -152,9 +152,8 @@ class LLMEngine:
             config=cfg.get("structured") or OmegaConf.structured(StructuredConfig), runtime=rt,
             tokenizer=self.tokenizer.backend if self.tokenizer is not None else None, vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids, torch_device=self.device)
-        sampler = Sampler(torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)), self.structured,
-                          waits_are_free=not rt.streams.asynchronous,
-                          greedy=rt.optional_ops(SAMPLER_OPS).greedy_tokens)
+        sampler = Sampler.for_runtime(rt, torch.Generator(device=self.device).manual_seed(int(cfg.model.seed)),
+                                      self.structured)
         runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class
         self.runner = runner_class(model, device=self.device, block_size=self.block_size, sampler=sampler,
                                    memory=rt.memory)

@@ -345,6 +345,13 @@ class Sampler:
         #: each penalized sequence's :class:`~kunlun_infer.engine.penalties.Tally`, dropped with the sequence
         self.tallies: weakref.WeakKeyDictionary[Any, Tally] = weakref.WeakKeyDictionary()
 
+    @classmethod
+    def for_runtime(cls, runtime: Any, generator: torch.Generator, structured: Any = None) -> Sampler:
+        """A sampler over ``runtime``'s ops and streams: greedy rows through the op table's ``greedy_tokens`` (the
+        reference where the ops plugin has none), waits free where its streams are not asynchronous."""
+        return cls(generator, structured, waits_are_free=not runtime.streams.asynchronous,
+                   greedy=runtime.optional_ops(SAMPLER_OPS).greedy_tokens)
+
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
                  histories: Sequence[TokenHistory] | None = None) -> SamplerOutput:
