@@ -18,8 +18,8 @@
  *     accumulator copied or spilled) and the prefetch kind chosen outside its loop, the 0.5B model's layer
  *     GEMMs took 1.2-1.3x less time at 8 to 256 rows on a Zen 3 (in turns; 0.95-1.0x the float32 FMA probe,
  *     where the instruction mix itself allows ~1.1x).
- * Rows of X are quantized MC at a time (VLEN values a step) into blocks of MR rows, [K / 4][XW][MR] 32-bit
- * groups; the micro-kernel holds an MR x NR block of sums in registers over all of K, as in gemm.c.
+ * Rows of X are quantized MC at a time (VLEN values a step) into blocks of MR rows (fewer for the last),
+ * [K / 4][XW][rows] 32-bit groups; the micro-kernel holds an MR x NR block of sums in registers over all of K, as in gemm.c.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -94,7 +94,7 @@ INLINE vi dot4(vi acc, vi x, vi ax, vi w) {
 #endif
 #define MC (8 * MR)
 /* 32-bit words a row's group of four takes in a block of X: the bytes, and for the sign trick their magnitudes
- * too ([K / 4][XW][MR]), worked out once per row rather than once per tile */
+ * too ([K / 4][XW][rows]), worked out once per row rather than once per tile */
 #define XW (VNNI ? 1 : 2)
 /* how quantized x is stored: offset to unsigned for VPDPBUSD, signed for the AVX2 sign trick */
 #define X_OFFSET (VNNI ? 128 : 0)
@@ -160,14 +160,18 @@ INLINE float row_scale(const void *x, const int xbf16, int64_t row, int64_t k) {
     return amax > 0.0f ? amax / 127.0f : 1.0f;
 }
 
-/* Quantize rows [0, rows) of X (bf16 or float32) into blocks of `per_block` rows, [K / 4][XW][MR] groups of
- * four bytes; the rows' scales into sx. */
+/* Quantize rows [0, rows) of X (bf16 or float32) into blocks of `per_block` rows, [K / 4][XW][R] groups of
+ * four bytes for a block of R rows (MR apart, so a block's place does not depend on the rows before it); the rows'
+ * scales into sx. A block as wide as its rows, not MR: one decode row's x of the down projection (K = 4864) takes
+ * 4.8 KiB rather than 58, and stays in the first-level cache while every tile streams past it instead of being
+ * read again from L2 for each. */
 static void quantize_rows(const void *x, const int xbf16, int64_t rows, int64_t k, int64_t per_block,
                           uint32_t *dst, float *sx) {
     const int64_t groups = (k + 3) / 4;
     #pragma omp for schedule(static)
     for (int64_t row = 0; row < rows; row++) {
         const int64_t b = row / per_block, r = row % per_block;
+        const int64_t stride = rows - b * per_block < per_block ? rows - b * per_block : per_block;
         uint32_t *block = dst + b * groups * MR * XW;
         const float scale = row_scale(x, xbf16, row, k);
         sx[row] = scale;
@@ -177,8 +181,8 @@ static void quantize_rows(const void *x, const int xbf16, int64_t rows, int64_t 
             quantize_vector(vf_load_n(x, row * k + i, k - i, xbf16), vscale, (int8_t *)q, (uint8_t *)mag);
             for (int64_t j = 0; j < VLEN / 4 && i / 4 + j < groups; j++) {
                 const int64_t g = i / 4 + j;
-                block[g * MR * XW + r] = X_OFFSET ? q[j] ^ 0x80808080u : q[j];  /* + 128 in every byte */
-                if (XW > 1) block[g * MR * XW + MR + r] = mag[j];
+                block[g * stride * XW + r] = X_OFFSET ? q[j] ^ 0x80808080u : q[j];  /* + 128 in every byte */
+                if (XW > 1) block[g * stride * XW + stride + r] = mag[j];
             }
         }
     }
@@ -201,19 +205,23 @@ INLINE void store_row(vi s0, vi s1, float sx, vf sw0, vf sw1, const float *bias,
 
 INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, const float *sx, const float *sw,
                          const int32_t *offsets, const float *bias, void *y, int64_t ldy, int64_t cols,
-                         const int ybf16, const int rows, const int phases, const int once) {
-    vi acc0[4][MR], acc1[4][MR];
+                         const int ybf16, const int rows, const int phases) {
+    vi acc0[4][MR], acc1[4][MR];  /* `a`: the block's groups, `rows` words apart (see quantize_rows) */
     UNROLL for (int p = 0; p < phases; p++)
         UNROLL for (int r = 0; r < rows; r++) acc0[p][r] = acc1[p][r] = vi_zero();
     int64_t g = 0;
     for (; g + phases <= groups; g += phases) {
-        /* without VNNI a line of weight costs four instructions a vector, and one row asks ahead too (AVX-512
-         * on the Xeon with AMX capped to avx512-core, 24 layers' and the head's GEMMs: 24.5 ms against 27.4) */
-        if (!VNNI || !UNPREFETCHED(once, rows)) prefetch_span(w + g * NR * 4, phases * NR * 4);
+        /* every block asks ahead, one row too. Without VNNI a line of weight costs four instructions a vector (AVX-512
+         * on the Xeon with AMX capped to avx512-core, 24 layers' and the head's GEMMs: 24.5 ms against 27.4 without
+         * the asks at one row). With VNNI one row had asked for nothing while its block of x was laid out MR rows
+         * wide; packed one row wide (see quantize_rows), it waited on memory without the asks: Zen 5, the 0.5B
+         * model's layer GEMMs at one row in turns, 1.08-1.13x the time of the old layout at the host's slower
+         * memory level, against 0.97x asking (and 0.95x at its faster level, against 0.97x) */
+        prefetch_span(w + g * NR * 4, phases * NR * 4);
         UNROLL for (int p = 0; p < phases; p++) {
             const vi w0 = vi_load(w + (g + p) * NR * 4), w1 = vi_load(w + (g + p) * NR * 4 + VLEN * 4);
             UNROLL for (int r = 0; r < rows; r++) {
-                const vi xr = vi_set1(a[((g + p) * XW) * MR + r]), ar = vi_set1(a[((g + p) * XW + XW - 1) * MR + r]);
+                const vi xr = vi_set1(a[((g + p) * XW) * rows + r]), ar = vi_set1(a[((g + p) * XW + XW - 1) * rows + r]);
                 acc0[p][r] = dot4(acc0[p][r], xr, ar, w0);
                 acc1[p][r] = dot4(acc1[p][r], xr, ar, w1);
             }
@@ -223,7 +231,7 @@ INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, con
         for (; g < groups; g++) {
             const vi w0 = vi_load(w + g * NR * 4), w1 = vi_load(w + g * NR * 4 + VLEN * 4);
             UNROLL for (int r = 0; r < rows; r++) {
-                const vi xr = vi_set1(a[g * XW * MR + r]), ar = vi_set1(a[(g * XW + XW - 1) * MR + r]);
+                const vi xr = vi_set1(a[g * XW * rows + r]), ar = vi_set1(a[(g * XW + XW - 1) * rows + r]);
                 acc0[0][r] = dot4(acc0[0][r], xr, ar, w0);
                 acc1[0][r] = dot4(acc1[0][r], xr, ar, w1);
             }
@@ -244,11 +252,11 @@ INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, con
 /* accumulator sets for a block of R rows: enough dot products in flight to cover their latency */
 #define PHASES(R) (!VNNI ? 1 : (R) == 1 ? 4 : (R) <= 3 ? 2 : 1)
 #define ROWS_CASE(R) \
-    case R: micro_kernel(a, w, groups, sx, sw, offsets, b, yt, n, cols, ybf16, R, PHASES(R), once); break;
+    case R: micro_kernel(a, w, groups, sx, sw, offsets, b, yt, n, cols, ybf16, R, PHASES(R)); break;
 
 INLINE void block_of_rows(const uint32_t *a, const int8_t *w, int64_t groups, const float *sx, const float *sw,
                           const int32_t *offsets, const float *b, void *yt, int64_t n, int64_t cols,
-                          const int ybf16, int64_t rows, const int once) {
+                          const int ybf16, int64_t rows) {
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
 #if MR > 4
@@ -276,7 +284,6 @@ INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const floa
         free(scales_x);
         return -1;
     }
-    const int once = reads_once(m, MR);
     #pragma omp parallel if (m * n * k >= 32768)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t mc = m - m0 < MC ? m - m0 : MC;
@@ -293,10 +300,7 @@ INLINE int gemm_int8(const int8_t *p, const void *x, const int xbf16, const floa
                 const int64_t r0 = blk * per_block, rows = mc - r0 < per_block ? mc - r0 : per_block;
                 void *yt = (char *)y + ((m0 + r0) * n + col) * (xbf16 ? 2 : 4);
                 const uint32_t *a = packed + blk * groups * MR * XW;
-                if (once)  /* the branch outside the kernel: its loop keeps one kind of prefetch */
-                    block_of_rows(a, w, groups, sx + r0, scales + col, offsets + col, b, yt, n, cols, xbf16, rows, 1);
-                else
-                    block_of_rows(a, w, groups, sx + r0, scales + col, offsets + col, b, yt, n, cols, xbf16, rows, 0);
+                block_of_rows(a, w, groups, sx + r0, scales + col, offsets + col, b, yt, n, cols, xbf16, rows);
             }
         }
     }

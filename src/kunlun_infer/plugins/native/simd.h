@@ -291,7 +291,7 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
 #define PREFETCH_BYTES 8192
 
 /* Whether a block of `rows` rows that reads its weight `once` (a decode step's rows all in one block) asks for
- * nothing ahead: one row with AVX-512, where one VDPBF16PS, VPDPBUSD or FMA per 64 bytes leaves the hardware
+ * nothing ahead: one row with AVX-512, where one VDPBF16PS or FMA per 64 bytes leaves the hardware
  * prefetchers enough time; everything else asks into the second-level cache (T1). A prefetch into the first
  * level holds one of its few miss buffers until the line arrives from memory, and those run out before the
  * bandwidth does wherever a line costs more than a few instructions, while the second level keeps many more
@@ -305,7 +305,7 @@ INLINE vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127]: the exponent fi
  * batch-1 steps, eight processes each in turns: medians 19.7 and 20.7 ms, each faster in four pairs). On a
  * Xeon with AMX capped to AVX-512 the non-temporal prefetch of int8 at one row read 8.5 GB/s, nothing 16.8
  * and T1 19.7 (24 layers' GEMMs, best of 5 in turns): there asking ahead is faster still, so Intel's CPUs ask
- * ahead at one row after all (kunlun_one_row_prefetch, below). */
+ * ahead at one row after all (kunlun_one_row_prefetch, below); int8 now asks at one row everywhere (gemm_int8.c). */
 #define UNPREFETCHED(once, rows) (VLEN == 16 && (once) && (rows) == 1)
 
 /* 1 where one-row GEMMs ask for their weight ahead all the same, as Intel's CPUs measured faster doing
