@@ -19,7 +19,8 @@
  *     GEMMs took 1.2-1.3x less time at 8 to 256 rows on a Zen 3 (in turns; 0.95-1.0x the float32 FMA probe,
  *     where the instruction mix itself allows ~1.1x).
  * Rows of X are quantized MC at a time (VLEN values a step) into blocks of MR rows (fewer for the last),
- * [K / 4][XW][rows] 32-bit groups; the micro-kernel holds an MR x NR block of sums in registers over all of K, as in gemm.c.
+ * [K / 4][XW][rows] 32-bit groups; the micro-kernel holds an MR x NR block of sums in registers over all of
+ * K, as in gemm.c.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -221,7 +222,8 @@ INLINE void micro_kernel(const uint32_t *a, const int8_t *w, int64_t groups, con
         UNROLL for (int p = 0; p < phases; p++) {
             const vi w0 = vi_load(w + (g + p) * NR * 4), w1 = vi_load(w + (g + p) * NR * 4 + VLEN * 4);
             UNROLL for (int r = 0; r < rows; r++) {
-                const vi xr = vi_set1(a[((g + p) * XW) * rows + r]), ar = vi_set1(a[((g + p) * XW + XW - 1) * rows + r]);
+                const vi xr = vi_set1(a[((g + p) * XW) * rows + r]);
+                const vi ar = vi_set1(a[((g + p) * XW + XW - 1) * rows + r]);
                 acc0[p][r] = dot4(acc0[p][r], xr, ar, w0);
                 acc1[p][r] = dot4(acc1[p][r], xr, ar, w1);
             }
