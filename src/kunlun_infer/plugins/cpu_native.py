@@ -91,7 +91,8 @@ KERNEL_SETS: tuple[KernelSet, ...] = (
 #: Xeon whose OS grants no AMX) 0.88x the time, int8 by VNNI (``avx512-vnni``, a Cascade Lake or Ice Lake Xeon)
 #: 0.96x; a batch-1 decode step in the engine, six turns each: bf16 48.8 -> 46.2 ms, int8 24.8 -> 24.4 (medians,
 #: faster in every turn). On the Zen 4 a bf16 batch-1 step took 1.08x the time asking ahead, so AMD's CPUs ask
-#: for nothing.
+#: for nothing. Only the bf16 GEMMs by VDPBF16PS follow this now: int8 asks ahead at one row on every CPU since its
+#: rows are packed as wide as a block's rows (``native/gemm_int8.c``).
 ONE_ROW_PREFETCH_VENDORS = frozenset({"GenuineIntel"})
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
