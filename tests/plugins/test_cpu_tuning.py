@@ -11,6 +11,7 @@ That both ways give the same results bit for bit is tested with the GEMMs
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import types
 
@@ -127,18 +128,21 @@ def test_the_choice_is_measured_once_recorded_and_set_into_the_library(avx2_libr
     assert len(json.loads(cpu_tuning.tuning_file(library_path).read_text())) == 2
 
 
-def test_plugins_show_what_this_cpu_measured(avx2_library, monkeypatch, tmp_path):
-    """A fresh cache: ``plugins`` names the set only; once the kernels are loaded (and measured), the choice,
-    as the selection's reason does."""
+def test_the_selection_says_what_this_cpu_measured_and_the_plugins_stack_stays_the_same(avx2_library, monkeypatch,
+                                                                                      tmp_path, caplog):
+    """A fresh cache: once the kernels are loaded (and measured), the selection's reason (what the benchmarks
+    record) and the log give the choice; the ops plugin's stack, which the version matrix compares between doctor
+    runs, names the set and why before and after alike."""
     kernel_set = cpu_native.selection().kernel_set
     built = cpu_native._target(cpu_native.compiler()[1], kernel_set)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     shutil.copy(built, cpu_native._target(cpu_native.compiler()[1], kernel_set))  # the same build, not measured
     monkeypatch.setattr(cpu_tuning, "measure", lambda lib, kind: {8: 1.2, 48: 0.9, 96: 0.9})
-    assert "GEMM tiles" not in cpu_native.describe_planned()
+    before = cpu_native.describe_planned()
+    assert before.startswith("avx2 (") and "GEMM tiles" not in before
     cpu_native.load.__wrapped__(kernel_set)
-    shown = cpu_native.describe_planned()
-    assert shown.startswith("avx2 (")
     measured = "GEMM tiles in chunks: float32 from 48 rows, bfloat16 from 48 rows (measured on this CPU)"
-    assert measured in shown
-    assert cpu_native.selection.__wrapped__().reason.endswith(measured)  # what the benchmarks record
+    with caplog.at_level(logging.INFO, logger=cpu_native.log.name):
+        assert cpu_native.selection.__wrapped__().reason.endswith(measured)
+    assert measured in caplog.text
+    assert cpu_native.describe_planned() == before

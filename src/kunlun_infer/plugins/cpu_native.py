@@ -288,7 +288,9 @@ def selection() -> Selection:
     if hasattr(lib, "kunlun_amx_tiles") and not lib.kunlun_amx_tiles():
         reason += "; the OS did not grant the AMX tile state (Linux 5.16 or later does), so the GEMMs use the " \
                   "AVX-512 dot products"
-    return Selection(kernel_set.name, kernel_set, lib, "native", reason + _measured_note(kernel_set))
+    chosen = Selection(kernel_set.name, kernel_set, lib, "native", reason + _measured_note(kernel_set))
+    log.info("native CPU kernels: %s", chosen.describe())
+    return chosen
 
 
 def library() -> ctypes.CDLL | None:
@@ -301,14 +303,20 @@ def library() -> ctypes.CDLL | None:
 
 
 def describe_planned() -> str:
-    """One line for ``kunlun-infer plugins`` / ``doctor``: the kernel set chosen here and why (builds nothing)."""
+    """One line for ``kunlun-infer plugins`` / ``doctor``: the kernel set chosen here and why (builds nothing).
+
+    It is the ops plugin's ``cpu_kernels`` stack entry, which the version matrix compares between doctor runs, so
+    it holds what decides the code that runs and nothing this CPU measured: a doctor run recorded before the
+    kernels first loaded (and measured, :mod:`cpu_tuning`), or at another thread count, had made the same install
+    a "new" config to ``plugins --matrix``. What was measured is in the selection's reason and logged as the
+    kernels load."""
     kernel_set, reason = planned()
     if kernel_set is None:
         return f"torch ({reason})"
     cc, path = compiler()
     if path is None:
         return f"torch (no C compiler '{cc}' to build the {kernel_set.name} kernels)"
-    return f"{kernel_set.name} ({reason}{_measured_note(kernel_set)})"
+    return f"{kernel_set.name} ({reason})"
 
 
 def _measured_note(kernel_set: KernelSet) -> str:
