@@ -8,7 +8,9 @@ then of the other, ``--rounds`` times — so both meet the same minutes of
 the host's memory bandwidth, which on a shared machine moves by 2× within
 minutes. Reported per dtype and batch: the mean step of each, the ratio, and
 where a replayed step's time goes, each part the best of five back to back:
-the captured kernels, the GEMM calls among them alone, the others alone, the
+the captured kernels (made from C, one ctypes call, where ``replay.c``
+can), the same calls made one by one from Python, the GEMM calls among them
+alone, the others alone, the
 LM head, and the rest of the step (scheduling, inputs, embedding, sampling)
 against the best step; beside the memory read bandwidth probed in the same
 rounds. Prints
@@ -57,7 +59,8 @@ def timed_steps(llm: Any, steps: int) -> float:
 
 
 def breakdown(llm: Any, batch: int) -> dict[str, float]:
-    """Milliseconds of one replay, of its GEMM calls alone, of the rest of its calls alone (best of 5 each)."""
+    """Milliseconds of one replay (its calls made from C by replay.c where it can), of the same calls made one by one
+    from Python, of its GEMM calls alone, of the rest of its calls alone (best of 5 each; the parts from Python)."""
     captured = llm.engine.runner.graphs.captured_step(batch)
     captured.replay()  # bound to the arena
     calls = captured._ready  # the cpu ops' (function, arguments, checked) of each recorded call
@@ -68,7 +71,8 @@ def breakdown(llm: Any, batch: int) -> dict[str, float]:
         for function, args, _ in part:
             function(*args)
 
-    return {"replay_ms": machine.best_time(captured.replay, 5) * 1e3,
+    return {"replay_ms": machine.best_time(captured.replay, 5) * 1e3, "replay_from_c": captured.from_c,
+            "calls_from_python_ms": machine.best_time(lambda: run(calls), 5) * 1e3,
             "gemm_calls_ms": machine.best_time(lambda: run(gemms), 5) * 1e3,
             "other_calls_ms": machine.best_time(lambda: run(others), 5) * 1e3,
             "calls": len(calls), "gemm_calls": len(gemms)}
@@ -130,9 +134,11 @@ def main(argv: list[str] | None = None) -> None:
             row = measure(folder, shape, dtype, batch, args)
             rows.append(row)
             print(f"{dtype:9s} b{batch}: eager {row['eager_step_ms']:6.2f} ms, replayed {row['replayed_step_ms']:6.2f} "
-                  f"ms ({row['replayed_over_eager']:.2f}x); replay {row['replay_ms']:.2f} = GEMM calls "
+                  f"ms ({row['replayed_over_eager']:.2f}x); replay {row['replay_ms']:.2f} "
+                  f"{'from C' if row['replay_from_c'] else 'from Python'} (from Python "
+                  f"{row['calls_from_python_ms']:.2f} = GEMM calls "
                   f"{row['gemm_calls_ms']:.2f} + other {row['calls'] - row['gemm_calls']} calls "
-                  f"{row['other_calls_ms']:.2f} (+ loop); best step {row['best_replayed_step_ms']:.2f} = replay + LM "
+                  f"{row['other_calls_ms']:.2f} + loop); best step {row['best_replayed_step_ms']:.2f} = replay + LM "
                   f"head {row['lm_head_ms']:.2f} + rest {row['rest_of_step_ms']:.2f}; read {min(row['read_gb_s'])}-{max(row['read_gb_s'])} GB/s",
                   flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -118,3 +118,36 @@ def test_a_kernel_failing_in_a_replay_stops_it():
     slots[1] = 6
     captured.replay()
     assert (k_cache.view(16, 1, 16)[6] == 7.0).all()
+
+
+def test_a_replay_makes_its_calls_from_c_with_the_results_of_calls_from_python(monkeypatch):
+    """replay.c makes the recorded calls from one ctypes call; its table passes each call's integers and floats in
+    their order (rms_norm: five pointers, two integers, a float, then an int) and the results are those of the
+    calls made one by one from Python."""
+    g = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g)
+    w, w2 = torch.randn(96, generator=g), torch.randn(48, generator=g)
+    from_c = cpu_capture.capture(lambda: block(x, residual, w, w2))
+    assert from_c.from_c
+    monkeypatch.setattr(cpu_capture, "_native_table", lambda ready, library: None)
+    from_python = cpu_capture.capture(lambda: block(x, residual, w, w2))
+    assert not from_python.from_c
+    for _ in range(2):
+        x.copy_(torch.randn(x.shape, generator=g))
+        expected = eager(x, residual, w, w2)
+        torch.testing.assert_close(from_c.replay(), expected)
+        assert torch.equal(from_c.result, from_python.replay())
+
+
+def test_calls_the_c_table_cannot_pass_are_made_from_python():
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.cos.argtypes, libm.cos.restype = [ctypes.c_double], ctypes.c_double
+    assert cpu_capture._native_table([(libm.cos, (1.0,), False)], cpu_native.selection().library) is None
+    probe = cpu_native.selection().library.kunlun_read_probe
+    ints = cpu_native.selection().library.kunlun_replay_layout(0)
+    assert cpu_capture._native_table([(probe, (0, 0), False)], cpu_native.selection().library) is not None
+    too_many = type("kernel", (), {"argtypes": [ctypes.c_int64] * (ints + 1)})()
+    assert cpu_capture._native_table([(too_many, (0,) * (ints + 1), False)], cpu_native.selection().library) is None

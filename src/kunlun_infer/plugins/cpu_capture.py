@@ -22,9 +22,12 @@ only. The region's result keeps its own storage.
 
 A replay makes the recorded calls again, in order, with pointers moved into
 the arena; the inputs the region read (the caller's buffers, the weights,
-the KV cache) are read at their current contents. A kernel reporting a
-failure (a nonzero status) stops the replay with :class:`ReplayError`; the
-caller runs the step eagerly instead, which raises the kernel's own error.
+the KV cache) are read at their current contents. Where the library has
+``kunlun_replay`` (``native/replay.c``) and every call's arguments fit its
+table, the calls are made from C, one ctypes call a replay; else one by one
+from Python. A kernel reporting a failure (a nonzero status) stops the replay
+with :class:`ReplayError`; the caller runs the step eagerly instead, which
+raises the kernel's own error.
 """
 
 from __future__ import annotations
@@ -111,6 +114,8 @@ class _Call:
     pointers: tuple[int, ...]
     #: the kernel returns a status (0 = done)
     checked: bool
+    #: the library the function is from
+    library: Any = None
 
 
 class _Recorder:
@@ -126,7 +131,7 @@ class _Recorder:
         checked = function.restype is ctypes.c_int
 
         def record(*args: Any) -> Any:
-            self._calls.append(_Call(function, list(args), pointers, checked))
+            self._calls.append(_Call(function, list(args), pointers, checked, self._library))
             return function(*args)
 
         return record
@@ -159,6 +164,49 @@ class _Arena(threading.local):
 
 _arena = _Arena()
 
+#: ctypes codes of the argument types replay.c passes as integers (pointers included), and as float32
+_INTEGER_CODES = frozenset("bBhHiIlLqQP?")
+_FLOAT_CODE = "f"
+
+
+def _native_table(ready: list[tuple[Any, tuple[Any, ...], bool]], library: Any) -> tuple[Any, Any] | None:
+    """``(kunlun_replay, its table of the calls)`` for replay.c, or ``None`` where the library has none or a call's
+    arguments do not fit its table (then the calls are made from Python)."""
+    replay = getattr(library, "kunlun_replay", None)
+    layout = getattr(library, "kunlun_replay_layout", None)
+    if replay is None or layout is None or not ready or replay(None, 0) != 0:  # -1: not this platform's convention
+        return None
+    ints, floats = layout(0), layout(1)
+
+    class Record(ctypes.Structure):
+        _fields_ = [("function", ctypes.c_void_p), ("ints", ctypes.c_int64 * ints),
+                    ("floats", ctypes.c_float * floats), ("checked", ctypes.c_int64)]
+
+    if ctypes.sizeof(Record) != layout(2):
+        return None
+    table = (Record * len(ready))()
+    for record, (function, args, checked) in zip(table, ready):
+        types = function.argtypes
+        if types is None or len(types) != len(args):
+            return None
+        i = f = 0
+        for kind, value in zip(types, args):
+            code = getattr(kind, "_type_", None)
+            if isinstance(value, ctypes._SimpleCData):
+                value = value.value
+            if code in _INTEGER_CODES and i < ints:
+                value = int(value or 0)
+                record.ints[i] = value - (1 << 64) if value >= 1 << 63 else value
+                i += 1
+            elif code == _FLOAT_CODE and f < floats:
+                record.floats[f] = float(value)
+                f += 1
+            else:  # a double, a structure, or more arguments than the table holds
+                return None
+        record.function = ctypes.cast(function, ctypes.c_void_p).value
+        record.checked = int(checked)
+    return replay, table
+
 
 class CapturedStep(capabilities.CapturedStep):
     """A captured region: :attr:`result` (its outputs, rewritten by every replay) and :meth:`replay`.
@@ -179,6 +227,10 @@ class CapturedStep(capabilities.CapturedStep):
         self.arena_bytes = arena_bytes
         self._bound: tuple[int, int] | None = None
         self._ready: list[tuple[Any, tuple[Any, ...], bool]] = []
+        libraries = {id(call.library): call.library for call in calls}
+        #: the library whose replay.c makes the calls (all of them its own), or None: from Python
+        self._library = next(iter(libraries.values())) if len(libraries) == 1 else None
+        self._native: tuple[Any, Any] | None = None
 
     @property
     def num_calls(self) -> int:
@@ -192,6 +244,15 @@ class CapturedStep(capabilities.CapturedStep):
                 args[position] = origin + offset
             ready.append((call.function, tuple(args), call.checked))
         self._ready = ready
+        self._native = None if self._library is None else _native_table(ready, self._library)
+
+    @property
+    def from_c(self) -> bool:
+        """Whether replays make the calls from C (replay.c) rather than one by one from Python."""
+        if self._bound is None:
+            self._bind(_arena.reserve(self.arena_bytes))
+            self._bound = (id(_arena), _arena.version)
+        return self._native is not None
 
     def replay(self) -> Any:
         """The recorded kernels again on the inputs' current contents; :attr:`result` then holds the outputs."""
@@ -199,6 +260,13 @@ class CapturedStep(capabilities.CapturedStep):
         if self._bound != (id(_arena), _arena.version):
             self._bind(origin)
             self._bound = (id(_arena), _arena.version)
+        if self._native is not None:
+            replay, table = self._native
+            failed = replay(ctypes.addressof(table), len(table))  # 1 + the index of a call that failed
+            if failed:
+                raise ReplayError(f"a captured kernel ({self._ready[failed - 1][0].__name__}) returned a nonzero "
+                                  "status")
+            return self.result
         for function, args, checked in self._ready:
             status = function(*args)
             if checked and status:
