@@ -236,7 +236,11 @@ class CapturedStep(capabilities.CapturedStep):
     def num_calls(self) -> int:
         return len(self._calls)
 
-    def _bind(self, origin: int) -> None:
+    def _bind(self) -> None:
+        """Point the calls into this thread's arena (grown to fit first), again whenever it has moved since."""
+        origin = _arena.reserve(self.arena_bytes)
+        if self._bound == (id(_arena), _arena.version):
+            return
         ready = []
         for call, moved in zip(self._calls, self._arena_args):
             args = list(call.args)
@@ -245,21 +249,17 @@ class CapturedStep(capabilities.CapturedStep):
             ready.append((call.function, tuple(args), call.checked))
         self._ready = ready
         self._native = None if self._library is None else _native_table(ready, self._library)
+        self._bound = (id(_arena), _arena.version)
 
     @property
     def from_c(self) -> bool:
         """Whether replays make the calls from C (replay.c) rather than one by one from Python."""
-        if self._bound is None:
-            self._bind(_arena.reserve(self.arena_bytes))
-            self._bound = (id(_arena), _arena.version)
+        self._bind()
         return self._native is not None
 
     def replay(self) -> Any:
         """The recorded kernels again on the inputs' current contents; :attr:`result` then holds the outputs."""
-        origin = _arena.reserve(self.arena_bytes)
-        if self._bound != (id(_arena), _arena.version):
-            self._bind(origin)
-            self._bound = (id(_arena), _arena.version)
+        self._bind()
         if self._native is not None:
             replay, table = self._native
             failed = replay(ctypes.addressof(table), len(table))  # 1 + the index of a call that failed
