@@ -861,6 +861,9 @@ def test_native_greedy_tokens_take_what_they_can_and_leave_the_rest_to_the_refer
     # one at a time once fewer are left than threads
     ([(7 + 37 * i % 400, 1) for i in range(34)], 14, 2, 64),
     ([(3 + 53 * i % 700, 1) for i in range(34)], 8, 2, 128),  # the longer contexts in parts
+    # passes over the values of every shape: 5 and 3 query heads a KV head over 6 chunks of 8 features (AVX2: 4 + 2)
+    ([(300, 1), (70, 1)], 10, 2, 48),
+    ([(7 + 37 * i % 400, 1) for i in range(20)], 3, 1, 48),
 ])
 @pytest.mark.parametrize("threads", [2, 3, 8])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

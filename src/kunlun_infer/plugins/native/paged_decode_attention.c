@@ -38,12 +38,19 @@
 
 #include "simd.h"
 
-/* query heads of one KV head, and VLEN-feature chunks of the values, whose accumulators are held at once
- * (16 of the 32 AVX-512 registers, 8 of the 16 AVX2 ones). With AVX2, 4 heads x 2 chunks against 8 x 1: each value
- * vector loaded and widened serves half as many FMAs, but each probability's broadcast twice as many, and a pass
- * takes whole lines of bf16 values (Zen 4, in turns, 0.82-0.90x the time at 8 x 1024 and 1 x 4096 tokens) */
-#define MAX_GROUP (VLEN == 16 ? 8 : 4)
-#define VALUE_CHUNKS 2
+/* A pass over the values (weighted_values) holds in registers the sums of up to VALUE_GROUP_OF(bf16) query heads of
+ * one KV head by as many VLEN-feature chunks as VALUE_ACCS sums allow (value_pass: a power of two, at most
+ * MAX_VALUE_CHUNKS): with AVX-512 16 of the 32 registers, 8 heads by 2 chunks; with AVX2 12 of the 16, the rest
+ * holding the values and a probability. Each pass reads every token's value row once, and the fewer the passes, the
+ * fewer the reads and broadcasts; the more sums, the more chains of FMAs in flight. With AVX2 a KV head of 7 query
+ * heads (head size 64) takes, in bf16, 6 heads by 2 chunks then 1 by 8 (5 passes), and in float32 4 by 2 then 3 by 4
+ * (6 passes), where 4 by 2 then 3 by 2 had taken 8 (and 8 by 1 on Zen 4, 0.82-0.90x the time of that, before). The Zen
+ * 5 capped to avx2, kernel_builds.py --work decode-attention in turns, bit for bit the same: bf16 0.92-0.97x the time
+ * (four runs, blocks scattered, and every layer over one warm cache), float32 0.93-0.97x (two runs); in bf16 4 heads
+ * first 1.05x, in float32 6 first 1.01-1.07x. */
+#define VALUE_GROUP_OF(bf16) (VLEN == 16 ? 8 : (bf16) ? 6 : 4)
+#define VALUE_ACCS (VLEN == 16 ? 16 : 12)
+#define MAX_VALUE_CHUNKS (VLEN == 16 ? 2 : 8)
 #define UNROLL _Pragma("GCC unroll 16")
 /* How far ahead the scattered K/V rows are asked for: keys AHEAD tokens before they are scored, values VALUES_AHEAD
  * tokens before they are weighted (each in its own pass, where it is read). Into the second-level cache (T1): asked
@@ -54,7 +61,7 @@
 #define AHEAD (4 * VLEN)
 #define VALUES_AHEAD 64
 /* tokens whose value rows the passes over the values take together: with AVX2 a 64-byte line of bf16 values serves
- * four passes, which had each read it from the second level again (Zen 4, in turns, 0.80-0.92x the time for 1 x 4096
+ * several passes, which had each read it from the second level again (Zen 4, in turns, 0.80-0.92x the time for 1 x 4096
  * tokens, 0.92-0.97x for 8 x 1024; within the host's noise with AVX-512, whose two passes read a line each) */
 #define VALUES_TILE 64
 /* tokens of a pass over the values between two asks for the next item's rows (next_rows): each ask a few lines more,
@@ -67,12 +74,15 @@
 #define MAX_PARTS 256
 /* Where the split within half of L2 gives every thread PIPELINE_ITEMS items or more, the parts shrink until each
  * one's rows of every KV head fit 1 / PIPELINE_SHARE of L2, and a thread asks for the rows of the item it takes next
- * while it works on one (see next_rows). With AVX-512 only: with AVX2 the kernel's work a key, not memory, bounds it
- * (the Xeon with AMX capped to avx2, in turns: bf16 1.00x the time at 32 x 1000 tokens, 1.06-1.13x at 8 x 256 and
- * 1 x 4096; float32 0.96-0.98x at 8-32 x 1000-2000). */
+ * while it works on one (see next_rows). With AVX-512, and with AVX2 for float32 caches: with AVX2 a bf16 cache's
+ * work a key, not memory, bounds it (the Xeon with AMX capped to avx2, in turns: bf16 1.00x the time at 32 x 1000
+ * tokens, 1.06-1.13x at 8 x 256 and 1 x 4096; float32 0.96-0.98x at 8-32 x 1000-2000), where a float32 cache, with
+ * twice the bytes a key, waits on memory: the Zen 5 capped to avx2 took 11.1 ms at 8 x 1024 tokens cold against 5.5
+ * over a warm cache. There, in turns (two runs): float32 0.63-0.66x the time at 32 x 1024, 0.73-0.79x at 8 x 1024,
+ * 0.76-0.85x at 1 x 4096, 0.91-0.96x at 8 x 256; bf16 0.95-1.08x. */
 #define PIPELINE_SHARE 8
 #define PIPELINE_ITEMS 4
-#define PIPELINING (VLEN == 16)
+#define PIPELINING(bf16) (VLEN == 16 || !(bf16))
 
 /* With AVX2, bf16 rows are widened 16 values at a time by two unpacks (vf_load_bf16_pair), in the order those give
  * them: the query and the keys alike, so that their dot products sum the same products, and the values' weighted
@@ -162,16 +172,18 @@ INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, cons
                                   int64_t t0, int64_t t1, float *sums, int64_t feature, void *out, int64_t at,
                                   int64_t d, const int heads, const int nchunks, const int bf16, const int ask,
                                   const int obf16, next_rows *nx) {
-    vf acc[MAX_GROUP][VALUE_CHUNKS];
+    const int paired = PAIRED && bf16 && nchunks % 2 == 0;
+    vf acc[VALUE_GROUP_OF(1)][MAX_VALUE_CHUNKS]; /* bf16's group is the larger */
     UNROLL for (int g = 0; g < heads; g++)
         UNROLL for (int c = 0; c < nchunks; c++)
             acc[g][c] = t0 == 0 ? vf_zero() : vf_loadu(sums + g * d + feature + VLEN * c);
     for (int64_t t = t0; t < t1; t++) {
         if (ask && t + VALUES_AHEAD < len) ask_row(v_cache, rows[t + VALUES_AHEAD], d, bf16);  /* the first pass */
         if ((t - t0) % VALUES_ASK_TOKENS == 0) ask_next(nx);
-        vf v[VALUE_CHUNKS];
-        if (PAIRED && bf16 && nchunks == 2)
-            vf_load_bf16_pair((const uint16_t *)v_cache + rows[t] + feature, &v[0], &v[1]);
+        vf v[MAX_VALUE_CHUNKS];
+        if (paired)
+            UNROLL for (int c = 0; c < nchunks; c += 2)
+                vf_load_bf16_pair((const uint16_t *)v_cache + rows[t] + feature + VLEN * c, &v[c], &v[c + 1]);
         else
             UNROLL for (int c = 0; c < nchunks; c++) v[c] = load_vec(v_cache, rows[t] + feature + VLEN * c, bf16);
         UNROLL for (int g = 0; g < heads; g++) {
@@ -179,8 +191,9 @@ INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, cons
             UNROLL for (int c = 0; c < nchunks; c++) acc[g][c] = vf_fma(weight, v[c], acc[g][c]);
         }
     }
-    if (PAIRED && bf16 && nchunks == 2 && t1 == len)
-        UNROLL for (int g = 0; g < heads; g++) vf_unpair(&acc[g][0], &acc[g][1]);
+    if (paired && t1 == len)
+        UNROLL for (int g = 0; g < heads; g++)
+            UNROLL for (int c = 0; c < nchunks; c += 2) vf_unpair(&acc[g][c], &acc[g][c + 1]);
     UNROLL for (int g = 0; g < heads; g++)
         UNROLL for (int c = 0; c < nchunks; c++) {
             const int64_t i = at + g * d + VLEN * c;
@@ -193,23 +206,49 @@ INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, cons
         }
 }
 
-#define VALUES_CASE(H)                                                                                                \
-    case H:                                                                                                           \
-        weighted_values_fixed(v_cache, rows, p, len, t0, t1, sums, feature, out, at, d, H, nchunks, bf16, ask, obf16, \
-                              nx);                                                                                    \
+#define VALUES_CASE(H, C)                                                                                             \
+    case (H) * 16 + (C):                                                                                              \
+        weighted_values_fixed(v_cache, rows, p, len, t0, t1, sums, feature, out, at, d, H, C, bf16, ask, obf16, nx);  \
         break;
 
 /* out[at + g * d + f] = sum_t p[g * len + t] * V[t][feature + f] for g < heads, f < nchunks * VLEN, over tokens
- * [t0, t1) (see weighted_values_fixed) */
+ * [t0, t1) (see weighted_values_fixed). The cases are every shape value_pass gives with these constants: a build whose
+ * constants give another stops here rather than leave the outputs unwritten. */
 INLINE void weighted_values(const void *v_cache, const int64_t *rows, const float *p, int64_t len, int64_t t0,
                             int64_t t1, float *sums, int64_t feature, void *out, int64_t at, int64_t d, int64_t heads,
-                            const int nchunks, const int bf16, const int ask, const int obf16, next_rows *nx) {
-    switch (heads) {
-        VALUES_CASE(1) VALUES_CASE(2) VALUES_CASE(3) VALUES_CASE(4)
-#if MAX_GROUP > 4
-        VALUES_CASE(5) VALUES_CASE(6) VALUES_CASE(7) VALUES_CASE(8)
+                            int64_t nchunks, const int bf16, const int ask, const int obf16, next_rows *nx) {
+    switch (heads * 16 + nchunks) {
+#if VLEN == 16
+        VALUES_CASE(1, 1) VALUES_CASE(2, 1) VALUES_CASE(3, 1) VALUES_CASE(4, 1)
+        VALUES_CASE(5, 1) VALUES_CASE(6, 1) VALUES_CASE(7, 1) VALUES_CASE(8, 1)
+        VALUES_CASE(1, 2) VALUES_CASE(2, 2) VALUES_CASE(3, 2) VALUES_CASE(4, 2)
+        VALUES_CASE(5, 2) VALUES_CASE(6, 2) VALUES_CASE(7, 2) VALUES_CASE(8, 2)
+#else
+        VALUES_CASE(1, 1) VALUES_CASE(2, 1) VALUES_CASE(3, 1) VALUES_CASE(4, 1) VALUES_CASE(5, 1) VALUES_CASE(6, 1)
+        VALUES_CASE(1, 2) VALUES_CASE(2, 2) VALUES_CASE(3, 2) VALUES_CASE(4, 2) VALUES_CASE(5, 2) VALUES_CASE(6, 2)
+        VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(1, 8)
 #endif
+        default: abort();
     }
+}
+
+/* The chunks of VLEN features that a pass over the values takes for `heads` query heads, from chunk c of `chunks`:
+ * as many as the registers hold sums for (VALUE_ACCS), a power of two, no more than are left. */
+INLINE int64_t value_pass(int64_t heads, int64_t c, int64_t chunks) {
+    int64_t n = 1;
+    while (n * 2 <= MAX_VALUE_CHUNKS && heads * n * 2 <= VALUE_ACCS && n * 2 <= chunks - c) n *= 2;
+    return n;
+}
+
+/* the passes over the values of one item's `group` query heads, head size d (what one_head_asks counts) */
+INLINE int64_t value_passes(int64_t group, int64_t d, const int bf16) {
+    const int64_t most = VALUE_GROUP_OF(bf16);
+    int64_t passes = 0;
+    for (int64_t g0 = 0; g0 < group; g0 += most)
+        for (int64_t c = 0, gn = group - g0 < most ? group - g0 : most; c < d / VLEN;
+             c += value_pass(gn, c, d / VLEN))
+            passes++;
+    return passes;
 }
 
 #if defined(__AVX512BF16__)
@@ -235,6 +274,8 @@ INLINE void weighted_values(const void *v_cache, const int64_t *rows, const floa
  * 0.89-0.98x (A/A 0.96-1.02); every layer over one warm cache 0.75-0.87x.
  */
 #define BF16_PAIRS 1
+/* query heads whose scores transposed_scores takes at once, and whose sums paired_values holds: a pass's (8) */
+#define MAX_GROUP VALUE_GROUP_OF(1)
 #define TRANSPOSED_MIN_GROUP 7
 
 /* The 16 keys' rows at key[] (bf16, d features) as feature pairs [d / 2][16 keys] at kt */
@@ -393,11 +434,11 @@ INLINE void token_rows(const int32_t *table, int64_t lo, int64_t hi, int64_t h, 
 
 /* The calls of ask_next that one_head makes for an item of `len` tokens: one per VLEN keys scored, and one per
  * VALUES_ASK_TOKENS tokens of each pass over the values. */
-INLINE int64_t one_head_asks(int64_t len, int64_t d, int64_t group) {
+INLINE int64_t one_head_asks(int64_t len, int64_t d, int64_t group, const int bf16) {
     const int64_t chunks = d / VLEN;
     return (len + VLEN - 1) / VLEN +
            (len + VALUES_TILE - 1) / VALUES_TILE * (VALUES_TILE / VALUES_ASK_TOKENS) *
-               ((chunks + VALUE_CHUNKS - 1) / VALUE_CHUNKS) * ((group + MAX_GROUP - 1) / MAX_GROUP);
+               value_passes(group, d, bf16);
 }
 
 /* One work item: the query heads of KV head h of sequence b over its cached tokens [lo, hi). With `part` NULL the
@@ -515,32 +556,30 @@ INLINE void one_head(const void *q, const void *k_cache, const void *v_cache, co
         for (t = 0; t < len; t += VLEN)
             vf_store_n(s, t, vf_mul(vf_load_n(s, t, len - t, 0), inv), len - t, 0);
     }
-    /* out = probabilities @ values, VALUE_CHUNKS * VLEN features of up to MAX_GROUP query heads per pass, the tokens
-     * VALUES_TILE at a time so that their value rows stay in the first-level cache over every pass */
+    /* out = probabilities @ values, the passes of value_pass over each group of query heads, the tokens VALUES_TILE
+     * at a time so that their value rows stay in the first-level cache over every pass */
     for (int64_t t0 = 0; t0 < len; t0 += VALUES_TILE) {
         const int64_t t1 = len - t0 < VALUES_TILE ? len : t0 + VALUES_TILE;
-        for (int64_t c = 0; c < chunks; c += VALUE_CHUNKS)
-            for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
-                const int64_t gn = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
+        for (int64_t g0 = 0; g0 < group; g0 += VALUE_GROUP_OF(bf16)) {
+            const int64_t gn = group - g0 < VALUE_GROUP_OF(bf16) ? group - g0 : VALUE_GROUP_OF(bf16);
+            for (int64_t c = 0, n; c < chunks; c += n) {
+                n = value_pass(gn, c, chunks);
                 const int64_t at = (part != NULL ? g0 * d : (b * hq + h * group + g0) * d) + VLEN * c;
                 const float *p = scores + g0 * len;
                 float *sums = vsum + g0 * d;
                 void *dst = part != NULL ? (void *)part : out;
                 const int ask = ask_own && c == 0 && g0 == 0, obf16 = part == NULL && bf16;
 #if BF16_PAIRS
-                if (pairs) {  /* VALUE_CHUNKS * VLEN features: one line of bf16 values, tokens in pairs */
+                if (pairs) {  /* 2 * VLEN features: one line of bf16 values, tokens in pairs */
                     paired_values((const uint16_t *)v_cache, rows, p, norms + g0, len, t0, t1, sums, VLEN * c, dst,
                                   at, d, gn, ask, obf16, nx);
                     continue;
                 }
 #endif
-                if (chunks - c < VALUE_CHUNKS)
-                    weighted_values(v_cache, rows, p, len, t0, t1, sums, VLEN * c, dst, at, d, gn, 1, bf16, ask,
-                                    obf16, nx);
-                else
-                    weighted_values(v_cache, rows, p, len, t0, t1, sums, VLEN * c, dst, at, d, gn, VALUE_CHUNKS, bf16,
-                                    ask, obf16, nx);
+                weighted_values(v_cache, rows, p, len, t0, t1, sums, VLEN * c, dst, at, d, gn, n, bf16, ask, obf16,
+                                nx);
             }
+        }
     }
 }
 
@@ -873,16 +912,17 @@ ONE_HEAD_OF_SIZE(one_head_bf16_128, 128, 1, 0)
 #endif
 ONE_HEAD_OF_SIZE(one_head_bf16, d, 1, 0)
 ONE_HEAD_OF_SIZE(one_head_f32, d, 0, 0)
-#if PIPELINING
+#if PIPELINING(1)
 ONE_HEAD_OF_SIZE(one_head_bf16_pipelined, d, 1, 1)
-ONE_HEAD_OF_SIZE(one_head_f32_pipelined, d, 0, 1)
 #endif
+ONE_HEAD_OF_SIZE(one_head_f32_pipelined, d, 0, 1)
 
 /* the build of one_head for this dtype, head size and split (see ONE_HEAD_OF_SIZE) */
 static one_head_fn *one_head_build(const int bf16, int64_t d, const int pipelined) {
-#if PIPELINING
-    if (pipelined) return bf16 ? one_head_bf16_pipelined : one_head_f32_pipelined;
+#if PIPELINING(1)
+    if (pipelined && bf16) return one_head_bf16_pipelined;
 #endif
+    if (pipelined && !bf16) return one_head_f32_pipelined;
 #if VLEN == 8
     if (bf16 && d == 64) return one_head_bf16_64;
     if (bf16 && d == 128) return one_head_bf16_128;
@@ -935,9 +975,10 @@ static work_split split_within(int64_t batch, int64_t hk, int64_t longest, int64
     return split;
 }
 
-static work_split split_work(int64_t batch, int64_t hk, int64_t longest, int64_t threads, int64_t token_bytes) {
+static work_split split_work(int64_t batch, int64_t hk, int64_t longest, int64_t threads, int64_t token_bytes,
+                             const int bf16) {
     const work_split whole = split_within(batch, hk, longest, threads, token_bytes, kunlun_l2_bytes / 2);
-    if (!PIPELINING || whole.heads != hk || batch * whole.parts < PIPELINE_ITEMS * threads) return whole;
+    if (!PIPELINING(bf16) || whole.heads != hk || batch * whole.parts < PIPELINE_ITEMS * threads) return whole;
     work_split split = split_within(batch, hk, longest, threads, token_bytes, kunlun_l2_bytes / PIPELINE_SHARE);
     split.pipelined = split.heads == hk;
     return split.pipelined ? split : whole;
@@ -965,7 +1006,7 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
     }
     const int64_t group = hq / hk;
     const int64_t token_bytes = hk * d * (bf16 ? 2 : 4); /* a token's K (or V) rows of every KV head */
-    const work_split split = split_work(batch, hk, longest, omp_get_max_threads(), 2 * token_bytes);
+    const work_split split = split_work(batch, hk, longest, omp_get_max_threads(), 2 * token_bytes, bf16);
     const int64_t parts = split.parts, runs = hk / split.heads;
     const int64_t span = (longest + parts - 1) / parts, part_floats = group * (d + 2);
     float *partial = parts > 1 ? (float *)malloc(sizeof(float) * batch * hk * parts * part_floats) : NULL;
@@ -1008,9 +1049,10 @@ int kunlun_paged_decode_attention(const void *q, const void *k_cache, const void
                 int64_t next_lo, next_hi;
                 part_tokens(seq_lens[next / parts], parts, next % parts, &next_lo, &next_hi);
 #if DECODE_TILES
-                const int64_t calls = tiles ? tiles_head_asks(hi - lo, d, group) : one_head_asks(hi - lo, d, group);
+                const int64_t calls =
+                    tiles ? tiles_head_asks(hi - lo, d, group) : one_head_asks(hi - lo, d, group, bf16);
 #else
-                const int64_t calls = one_head_asks(hi - lo, d, group);
+                const int64_t calls = one_head_asks(hi - lo, d, group, bf16);
 #endif
                 if (next_lo < next_hi)
                     next_rows_start(&nx, block_tables + next / parts * table_stride, next_lo, next_hi, hk * calls);
