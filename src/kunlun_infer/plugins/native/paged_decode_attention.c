@@ -41,13 +41,13 @@
 /* A pass over the values (weighted_values) holds in registers the sums of up to VALUE_GROUP_OF(bf16) query heads of
  * one KV head by as many VLEN-feature chunks as VALUE_ACCS sums allow (value_pass: a power of two, at most
  * MAX_VALUE_CHUNKS): with AVX-512 16 of the 32 registers, 8 heads by 2 chunks; with AVX2 12 of the 16, the rest
- * holding the values and a probability. Each pass reads every token's value row once, and the fewer the passes, the
+ * holding a chunk of values (a pair and a zero to widen them with bf16) and the heads' probabilities. Each pass reads every token's value row once, and the fewer the passes, the
  * fewer the reads and broadcasts; the more sums, the more chains of FMAs in flight. With AVX2 a KV head of 7 query
  * heads (head size 64) takes, in bf16, 6 heads by 2 chunks then 1 by 8 (5 passes), and in float32 4 by 2 then 3 by 4
  * (6 passes), where 4 by 2 then 3 by 2 had taken 8 (and 8 by 1 on Zen 4, 0.82-0.90x the time of that, before). The Zen
  * 5 capped to avx2, kernel_builds.py --work decode-attention in turns, bit for bit the same: bf16 0.92-0.97x the time
  * (four runs, blocks scattered, and every layer over one warm cache), float32 0.93-0.97x (two runs); in bf16 4 heads
- * first 1.05x, in float32 6 first 1.01-1.07x. */
+ * first 1.05x, 5 first (then 2 by 4) 1.01-1.10x of 6 first, in float32 6 first 1.01-1.07x. */
 #define VALUE_GROUP_OF(bf16) (VLEN == 16 ? 8 : (bf16) ? 6 : 4)
 #define VALUE_ACCS (VLEN == 16 ? 16 : 12)
 #define MAX_VALUE_CHUNKS (VLEN == 16 ? 2 : 8)
@@ -167,7 +167,11 @@ INLINE void ask_next(next_rows *n) {
 
 /* The accumulators of one pass below, held in registers: the head and chunk counts are constants here. Tokens
  * [t0, t1) of `len`; the sums start from `sums` (float32, laid out as out) unless t0 is 0, and go to `sums` unless
- * t1 is len, where they are written to out. */
+ * t1 is len, where they are written to out. A token's value row is taken a chunk (or a bf16 pair of chunks) at a
+ * time, each multiplied into every head's sums before the next is loaded, so that a pass of one head by 8 chunks
+ * holds 8 sums and 2 values, not 8 and 8 (AVX2 has 16 registers: the whole row at once had GCC keep the sums in
+ * memory, and every FMA waited on a store; Zen 5 capped to avx2, in turns, 0.96-1.02x the time of that order in
+ * bf16, 0.95-0.98x in float32, bit for bit the same). */
 INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, const float *p, int64_t len,
                                   int64_t t0, int64_t t1, float *sums, int64_t feature, void *out, int64_t at,
                                   int64_t d, const int heads, const int nchunks, const int bf16, const int ask,
@@ -180,15 +184,21 @@ INLINE void weighted_values_fixed(const void *v_cache, const int64_t *rows, cons
     for (int64_t t = t0; t < t1; t++) {
         if (ask && t + VALUES_AHEAD < len) ask_row(v_cache, rows[t + VALUES_AHEAD], d, bf16);  /* the first pass */
         if ((t - t0) % VALUES_ASK_TOKENS == 0) ask_next(nx);
-        vf v[MAX_VALUE_CHUNKS];
-        if (paired)
-            UNROLL for (int c = 0; c < nchunks; c += 2)
-                vf_load_bf16_pair((const uint16_t *)v_cache + rows[t] + feature + VLEN * c, &v[c], &v[c + 1]);
-        else
-            UNROLL for (int c = 0; c < nchunks; c++) v[c] = load_vec(v_cache, rows[t] + feature + VLEN * c, bf16);
-        UNROLL for (int g = 0; g < heads; g++) {
-            const vf weight = vf_set1(p[g * len + t]);
-            UNROLL for (int c = 0; c < nchunks; c++) acc[g][c] = vf_fma(weight, v[c], acc[g][c]);
+        if (paired) {
+            UNROLL for (int c = 0; c < nchunks; c += 2) {
+                vf lo, hi;
+                vf_load_bf16_pair((const uint16_t *)v_cache + rows[t] + feature + VLEN * c, &lo, &hi);
+                UNROLL for (int g = 0; g < heads; g++) {
+                    const vf weight = vf_set1(p[g * len + t]);
+                    acc[g][c] = vf_fma(weight, lo, acc[g][c]);
+                    acc[g][c + 1] = vf_fma(weight, hi, acc[g][c + 1]);
+                }
+            }
+        } else {
+            UNROLL for (int c = 0; c < nchunks; c++) {
+                const vf v = load_vec(v_cache, rows[t] + feature + VLEN * c, bf16);
+                UNROLL for (int g = 0; g < heads; g++) acc[g][c] = vf_fma(vf_set1(p[g * len + t]), v, acc[g][c]);
+            }
         }
     }
     if (paired && t1 == len)
