@@ -41,8 +41,9 @@
 /* A pass over the values (weighted_values) holds in registers the sums of up to VALUE_GROUP_OF(bf16) query heads of
  * one KV head by as many VLEN-feature chunks as VALUE_ACCS sums allow (value_pass: a power of two, at most
  * MAX_VALUE_CHUNKS): with AVX-512 16 of the 32 registers, 8 heads by 2 chunks; with AVX2 12 of the 16, the rest
- * holding a chunk of values (a pair and a zero to widen them with bf16) and the heads' probabilities. Each pass reads every token's value row once, and the fewer the passes, the
- * fewer the reads and broadcasts; the more sums, the more chains of FMAs in flight. With AVX2 a KV head of 7 query
+ * holding a chunk of values (a pair and a zero to widen them with bf16) and the heads' probabilities. Each pass
+ * reads every token's value row once, and the fewer the passes, the fewer the reads and broadcasts; the more sums,
+ * the more chains of FMAs in flight. With AVX2 a KV head of 7 query
  * heads (head size 64) takes, in bf16, 6 heads by 2 chunks then 1 by 8 (5 passes), and in float32 4 by 2 then 3 by 4
  * (6 passes), where 4 by 2 then 3 by 2 had taken 8 (and 8 by 1 on Zen 4, 0.82-0.90x the time of that, before). The Zen
  * 5 capped to avx2, kernel_builds.py --work decode-attention in turns, bit for bit the same: bf16 0.92-0.97x the time
@@ -445,7 +446,6 @@ INLINE void token_rows(const int32_t *table, int64_t lo, int64_t hi, int64_t h, 
 /* The calls of ask_next that one_head makes for an item of `len` tokens: one per VLEN keys scored, and one per
  * VALUES_ASK_TOKENS tokens of each pass over the values. */
 INLINE int64_t one_head_asks(int64_t len, int64_t d, int64_t group, const int bf16) {
-    const int64_t chunks = d / VLEN;
     return (len + VLEN - 1) / VLEN +
            (len + VALUES_TILE - 1) / VALUES_TILE * (VALUES_TILE / VALUES_ASK_TOKENS) *
                value_passes(group, d, bf16);
