@@ -137,3 +137,121 @@ def test_gloo_keeps_a_collectives_tensors_until_the_group_is_gone_and_no_longer_
         comm.barrier()
     assert first_ref() is None  # a bounded window, not a leak
     comm.destroy()
+
+
+def _ranks_on_threads(world, body, timeout_s=30):
+    """``body(comm)`` on each rank (a thread) of one gloo group; returns every rank's result."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    results, errors = [None] * world, []
+
+    def rank(r):
+        comm = GlooComm()
+        try:
+            comm.init(rank=r, world_size=world, init_method=url, timeout_s=timeout_s)
+            results[r] = body(comm)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            comm.destroy()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return results
+
+
+def _ours_in(folder):
+    import os
+
+    return [name for name in os.listdir(folder) if name.startswith("kunlun_infer-")]
+
+
+needs_native = pytest.mark.skipif(
+    __import__("kunlun_infer.plugins.cpu_native", fromlist=["library"]).library() is None,
+    reason="the host's shared-memory collectives need the native CPU kernels")
+
+
+@needs_native
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_ranks_on_one_host_meet_in_shared_memory_with_gloos_results(world):
+    from kunlun_infer.plugins import host_collectives
+
+    g = torch.Generator().manual_seed(world)
+    big = host_collectives.SLOT_BYTES // 4 * 2 + 5  # float32 values: three pieces through a slot
+    inputs = [{"bf16": (torch.randn(2048, generator=g) * 10 ** r).to(torch.bfloat16),
+               "big": torch.randn(big, generator=g), "ints": torch.arange(6, dtype=torch.int64) * (r + 1),
+               "strided": torch.randn(8, 6, generator=g).t(), "rows": torch.randn(3, 5, generator=g) + r}
+              for r in range(world)]
+
+    def body(comm):
+        mine = inputs[comm.rank]
+        out = {"segment": comm.host is not None and comm.buffer_bytes() == comm.host.nbytes}
+        for key in ("bf16", "big", "ints", "strided"):
+            out[key] = comm.all_reduce(mine[key].clone())
+        out["gathered"] = comm.all_gather(mine["rows"], dim=1)
+        out["gathered_big"] = comm.all_gather(mine["big"], dim=0)
+        out["from_last"] = comm.broadcast(mine["big"].clone(), src=world - 1)
+        out["object"] = comm.broadcast_object({"rank": comm.rank, "text": "x" * 3000} if comm.rank == 1 else None, 1)
+        comm.barrier()
+        return out
+
+    results = _ranks_on_threads(world, body)
+    assert all(r["segment"] for r in results)
+    exact_bf16 = sum(x["bf16"].double() for x in inputs).to(torch.bfloat16)  # summed in float32: every bit kept
+    for r in results:
+        assert torch.equal(r["bf16"], exact_bf16) and r["bf16"].dtype == torch.bfloat16
+        assert torch.allclose(r["big"], sum(x["big"] for x in inputs), atol=1e-5)
+        assert torch.equal(r["ints"], sum(x["ints"] for x in inputs))
+        assert torch.allclose(r["strided"], sum(x["strided"] for x in inputs), atol=1e-6)
+        assert torch.equal(r["gathered"], torch.cat([x["rows"] for x in inputs], dim=1))
+        assert torch.equal(r["gathered_big"], torch.cat([x["big"] for x in inputs]))
+        assert torch.equal(r["from_last"], inputs[-1]["big"])
+        assert r["object"] == {"rank": 1, "text": "x" * 3000}
+        for key in ("big", "strided"):  # every rank sums in rank order: the same bits everywhere
+            assert torch.equal(r[key], results[0][key])
+    assert _ours_in(host_collectives.SHM_DIR) == []  # the segment's name went once every rank had it
+
+
+@needs_native
+def test_gloo_keeps_to_sockets_where_the_ranks_are_on_different_hosts_or_no_segment_can_be_made(monkeypatch,
+                                                                                                tmp_path):
+    import errno
+
+    from kunlun_infer.plugins import host_collectives
+
+    def body(comm):
+        return comm.host, comm.all_reduce(torch.full((3,), float(comm.rank + 1))), comm.all_gather(
+            torch.tensor([comm.rank]), dim=0)
+
+    monkeypatch.setattr(host_collectives, "host_identity", lambda: threading.current_thread().name)
+    for host, total, gathered in _ranks_on_threads(2, body):
+        assert host is None and torch.equal(total, torch.full((3,), 3.0)) and gathered.tolist() == [0, 1]
+    monkeypatch.undo()
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(host_collectives, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(host_collectives.os, "posix_fallocate", no_room)
+    for host, total, gathered in _ranks_on_threads(2, body):
+        assert host is None and torch.equal(total, torch.full((3,), 3.0)) and gathered.tolist() == [0, 1]
+    assert _ours_in(tmp_path) == []  # the segment that could not be reserved is not left behind
+
+
+@needs_native
+def test_a_rank_that_never_arrives_times_out_naming_it():
+    import time
+
+    def body(comm):
+        if comm.rank == 1:
+            return None  # never joins the all-reduce
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) did not arrive .*comm.timeout_s=2s \(timed out\)"):
+            comm.all_reduce(torch.ones(4))
+        return time.monotonic() - started
+
+    waited = _ranks_on_threads(2, body, timeout_s=2)[0]
+    assert 2 <= waited < 4

@@ -6,7 +6,11 @@ default group, so an application's own use of torch.distributed is left alone.
 Low-precision all-reduce is carried out in ``accumulate_dtype`` (float32 by
 default) and cast back, so partial sums of bf16/fp16 shards do not lose bits.
 The collectives themselves are :class:`~kunlun_infer.plugins.process_group.ProcessGroupComm`'s,
-the base every torch.distributed-backed comm plugin shares.
+the base every torch.distributed-backed comm plugin shares, except where every
+rank of a group is on one host: there its all-reduces, gathers, broadcasts and
+barriers (objects' broadcasts too) go through a shared-memory segment
+(:mod:`~kunlun_infer.plugins.host_collectives`), and point-to-point and
+all-to-all through gloo.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from kunlun_infer.capabilities import Comm, Device
 from kunlun_infer.config import COMM_TIMEOUT_S, schema_default
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.plugins.cpu_device import stack_versions
+from kunlun_infer.plugins.host_collectives import HostSegment
 from kunlun_infer.plugins.process_group import ProcessGroupComm, parse_dtype
 
 __all__ = ["GlooComm", "SingleComm", "make_gloo", "make_single", "parse_dtype"]
@@ -63,15 +68,65 @@ class SingleComm(Comm):
 
 
 class GlooComm(ProcessGroupComm):
-    """Collectives on a private gloo process group (control tensors on the host)."""
+    """Collectives on a private gloo process group (control tensors on the host), through shared memory among
+    the ranks of one host (:class:`~kunlun_infer.plugins.host_collectives.HostSegment`)."""
 
     name = "gloo"
+
+    def __init__(self, *, accumulate_dtype: torch.dtype | None = torch.float32) -> None:
+        super().__init__(accumulate_dtype=accumulate_dtype)
+        #: the group's shared-memory segment where its ranks share a host
+        self.host: HostSegment | None = None
 
     def new_group(self, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
     def release_group(self, group: Any) -> None:
         pass  # gloo's threads and sockets go with the last reference to the group
+
+    def init(self, *, rank: int, world_size: int, init_method: str | None = None,
+             timeout_s: float = COMM_TIMEOUT_S) -> None:
+        super().init(rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s)
+        self.host = HostSegment.join(self, timeout_s)
+
+    def subgroup(self, ranks: Any) -> GlooComm:
+        parent, self.host = self.host, None  # the copy the subgroup starts from must not share this group's segment
+        try:
+            sub = super().subgroup(ranks)
+        finally:
+            self.host = parent
+        sub.host = HostSegment.join(sub, self._timeout.total_seconds())
+        return sub
+
+    def destroy(self) -> None:
+        host, self.host = self.host, None
+        if host is not None:
+            host.close()
+        super().destroy()
+
+    def buffer_bytes(self) -> int:
+        return sum(comm.host.nbytes for comm in (self, *self._subgroups) if comm.host is not None)
+
+    def all_reduce(self, tensor: torch.Tensor, accumulate_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.host is None:
+            return super().all_reduce(tensor, accumulate_dtype)
+        return self.host.all_reduce(tensor, self.accumulate_dtype_for(tensor, accumulate_dtype) or tensor.dtype)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.host is None:
+            return super().all_gather(tensor, dim)
+        return self.host.all_gather(tensor, dim)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.host is None:
+            return super().broadcast(tensor, src)
+        return self.host.broadcast(tensor, src)
+
+    def barrier(self) -> None:
+        if self.host is None:
+            super().barrier()
+        else:
+            self.host.barrier()
 
 
 def _accumulate(config: Any) -> torch.dtype | None:

@@ -128,6 +128,8 @@ SIGNATURES = {
     "kunlun_store_kv": ([_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64], ctypes.c_int),
     "kunlun_replay_layout": ([_I64], _I64),
     "kunlun_replay": ([_P, _I64], _I64),
+    "kunlun_host_arrive": ([_P, _I64], None),
+    "kunlun_host_wait": ([_P, _I64, _I64, _I64, ctypes.c_double], _I64),
 }
 
 

@@ -70,6 +70,8 @@ class TensorParallelGroup:
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._closed = False
+        #: this process's torch threads before the spawned ranks took their share of them
+        self._own_threads: int | None = None
 
     @classmethod
     def start(cls, cfg: DictConfig, runtime: Runtime) -> TensorParallelGroup:
@@ -92,7 +94,17 @@ class TensorParallelGroup:
             return
         init_method = cfg.parallel.init_method or f"tcp://127.0.0.1:{free_loopback_port()}"
         config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        self.workers = WorkerProcesses(config=config, world_size=self.size, init_method=init_method)
+        # the ranks share this host's cores: each takes an equal share of this process's torch threads, where
+        # each taking them all had every core run several ranks' threads, spinning against each other
+        threads = torch.get_num_threads()
+        share = max(1, threads // self.size)
+        if share != threads:
+            self._own_threads = threads
+            torch.set_num_threads(share)
+            log.info("the %d %s ranks on this host take %d of its %d torch threads each", self.size, self.kind,
+                     share, threads)
+        self.workers = WorkerProcesses(config=config, world_size=self.size, init_method=init_method,
+                                       num_threads=share)
         self._watching(lambda: self.runtime.init_comm(rank=0, world_size=self.size, init_method=init_method),
                        f"joining the {self.size} ranks at {init_method}", self.worker_timeout_s)
 
@@ -257,6 +269,9 @@ class TensorParallelGroup:
             self.workers.close(grace_s=self.worker_timeout_s if stopped else 0.0)
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=1.0)
+        if self._own_threads is not None:
+            torch.set_num_threads(self._own_threads)
+            self._own_threads = None
 
 
 def _is_timeout(exc: BaseException) -> bool:

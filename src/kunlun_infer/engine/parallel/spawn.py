@@ -25,7 +25,6 @@ import time
 import weakref
 from typing import Any
 
-import torch
 
 log = logging.getLogger("kunlun_infer.framework")
 
@@ -62,7 +61,7 @@ def _reap(procs: list[subprocess.Popen], grace_s: float) -> None:
 class WorkerProcesses:
     """Ranks ``1 .. world_size-1`` as child processes of this one."""
 
-    def __init__(self, *, config: dict[str, Any], world_size: int, init_method: str) -> None:
+    def __init__(self, *, config: dict[str, Any], world_size: int, init_method: str, num_threads: int) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
         self._last_words: dict[int, str] = {}
         procs: list[subprocess.Popen] = []
@@ -72,7 +71,7 @@ class WorkerProcesses:
         for rank in range(1, world_size):
             job = {"config": config, "rank": rank, "world_size": world_size, "local_rank": rank,
                    "init_method": init_method, "parent_pid": os.getpid(), "log_level": level,
-                   "num_threads": torch.get_num_threads()}
+                   "num_threads": num_threads}
             proc = subprocess.Popen([sys.executable, "-m", "kunlun_infer.engine.parallel.worker"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
             procs.append(proc)
