@@ -23,6 +23,7 @@ from kunlun_infer import LLM, SamplingParams
 from kunlun_infer.layers.moe import FusedExperts
 from kunlun_infer.plugins import cpu_native
 from kunlun_infer.errors import ConfigError
+from kunlun_infer.engine.parallel.cores import core_shares
 from kunlun_infer.engine.parallel.placement import free_loopback_port
 from tests.engine.tiny_models import hf_greedy
 from tests.parallel.conftest import overrides
@@ -83,19 +84,23 @@ def references(tiny_model):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_two_ranks_generate_the_tokens_of_one_rank_and_of_transformers(arch, tiny_model, single_rank, references):
     folder = tiny_model(arch)
-    threads = torch.get_num_threads()
+    threads, cpus = torch.get_num_threads(), os.sched_getaffinity(0)
+    shares = core_shares(cpus, 2)  # each rank on its own CPUs (None: fewer CPUs than ranks, nothing bound)
     with LLM(model=str(folder), overrides=overrides(2)) as llm:
         assert llm.config.comm.name == "gloo"  # comm=single cannot join processes: chosen for the user
-        assert len(worker_processes()) == 1
+        (worker,) = worker_processes()
         assert llm.engine.runner.model.model.layers[0].mlp.down_proj.ctx.streams is None  # sync: inline collectives
-        assert torch.get_num_threads() == max(1, threads // 2)  # the two ranks share this host's threads
+        # the two ranks share this host's threads and CPUs
+        assert torch.get_num_threads() == min([max(1, threads // 2), *(len(s) for s in shares or [])])
+        assert (os.sched_getaffinity(0), set(worker.cpu_affinity())) == \
+            ((set(shares[0]), set(shares[1])) if shares else (cpus, cpus))
         # one host: the ranks meet in shared memory (where the native kernels are built), not in gloo's sockets
         assert (llm.engine.runtime.comm.host is not None) == (cpu_native.library() is not None)
         two = tokens(llm, prompts())
         stats = llm.engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert worker_processes() == []
-    assert torch.get_num_threads() == threads  # given back when the engine closed
+    assert torch.get_num_threads() == threads and os.sched_getaffinity(0) == cpus  # given back on close
     assert two == references(arch)
     assert two == single_rank(arch)[0]
 

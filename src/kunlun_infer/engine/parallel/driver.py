@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.model_runner import ModelRunner, StepInputs
+from kunlun_infer.engine.parallel import cores
 from kunlun_infer.engine.parallel.control_plane import ControlPlane, exchange_status, exchange_step_failures
 from kunlun_infer.engine.parallel.placement import free_loopback_port, torchrun_place
 from kunlun_infer.engine.parallel.spawn import WorkerProcesses
@@ -70,8 +72,9 @@ class TensorParallelGroup:
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._closed = False
-        #: this process's torch threads before the spawned ranks took their share of them
+        #: this process's torch threads and CPUs before the spawned ranks took their share of them
         self._own_threads: int | None = None
+        self._own_cpus: set[int] | None = None
 
     @classmethod
     def start(cls, cfg: DictConfig, runtime: Runtime) -> TensorParallelGroup:
@@ -94,17 +97,24 @@ class TensorParallelGroup:
             return
         init_method = cfg.parallel.init_method or f"tcp://127.0.0.1:{free_loopback_port()}"
         config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        # the ranks share this host's cores: each takes an equal share of this process's torch threads, where
-        # each taking them all had every core run several ranks' threads, spinning against each other
+        # the ranks share this host's cores: each takes an equal share of this process's torch threads and of
+        # the CPUs it may run on, bound there (see cores), where each taking them all had every core run several
+        # ranks' threads, spinning against each other
         threads = torch.get_num_threads()
+        shares = cores.core_shares(os.sched_getaffinity(0), self.size) if hasattr(os, "sched_getaffinity") else None
         share = max(1, threads // self.size)
+        if shares is not None:  # no more threads than CPUs in a rank's share
+            share = min(share, min(len(cpus) for cpus in shares))
         if share != threads:
             self._own_threads = threads
             torch.set_num_threads(share)
-            log.info("the %d %s ranks on this host take %d of its %d torch threads each", self.size, self.kind,
-                     share, threads)
+        if shares is not None:
+            self._own_cpus = os.sched_getaffinity(0)
+            cores.bind_process(shares[0])
+        log.info("the %d %s ranks on this host take %d torch threads each%s", self.size, self.kind, share,
+                 "" if shares is None else ", on CPUs " + " | ".join(map(cores.format_cpu_list, shares)))
         self.workers = WorkerProcesses(config=config, world_size=self.size, init_method=init_method,
-                                       num_threads=share)
+                                       num_threads=share, cpus=shares)
         self._watching(lambda: self.runtime.init_comm(rank=0, world_size=self.size, init_method=init_method),
                        f"joining the {self.size} ranks at {init_method}", self.worker_timeout_s)
 
@@ -272,6 +282,9 @@ class TensorParallelGroup:
         if self._own_threads is not None:
             torch.set_num_threads(self._own_threads)
             self._own_threads = None
+        if self._own_cpus is not None:
+            cores.bind_process(self._own_cpus)
+            self._own_cpus = None
 
 
 def _is_timeout(exc: BaseException) -> bool:

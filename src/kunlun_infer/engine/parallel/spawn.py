@@ -61,7 +61,10 @@ def _reap(procs: list[subprocess.Popen], grace_s: float) -> None:
 class WorkerProcesses:
     """Ranks ``1 .. world_size-1`` as child processes of this one."""
 
-    def __init__(self, *, config: dict[str, Any], world_size: int, init_method: str, num_threads: int) -> None:
+    def __init__(self, *, config: dict[str, Any], world_size: int, init_method: str, num_threads: int,
+                 cpus: list[list[int]] | None = None) -> None:
+        """``num_threads``: each rank's torch threads; ``cpus``: the CPUs of each rank (this one's first), or
+        ``None`` to leave the ranks unbound."""
         self.procs: dict[int, subprocess.Popen] = {}
         self._last_words: dict[int, str] = {}
         procs: list[subprocess.Popen] = []
@@ -71,7 +74,7 @@ class WorkerProcesses:
         for rank in range(1, world_size):
             job = {"config": config, "rank": rank, "world_size": world_size, "local_rank": rank,
                    "init_method": init_method, "parent_pid": os.getpid(), "log_level": level,
-                   "num_threads": num_threads}
+                   "num_threads": num_threads, "cpus": None if cpus is None else cpus[rank]}
             proc = subprocess.Popen([sys.executable, "-m", "kunlun_infer.engine.parallel.worker"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
             procs.append(proc)

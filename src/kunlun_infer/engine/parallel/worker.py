@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine import heap
 from kunlun_infer.engine.model_runner import ModelRunner
+from kunlun_infer.engine.parallel.cores import bind_process
 from kunlun_infer.engine.parallel.control_plane import ControlPlane, Kind, exchange_status, exchange_step_failures
 from kunlun_infer.engine.parallel.pipeline import PipelineLink, run_stage
 from kunlun_infer.engine.parallel.pipeline_driver import stage_memory
@@ -228,6 +229,8 @@ def main() -> int:
         _exit_with_parent(int(job["parent_pid"]))
         logging.basicConfig(level=int(job.get("log_level", logging.WARNING)),
                             format=f"%(levelname)s rank {job['rank']} %(name)s: %(message)s")
+        if job.get("cpus"):
+            bind_process(job["cpus"])
         if job.get("num_threads"):
             torch.set_num_threads(int(job["num_threads"]))
         place = Place(int(job["rank"]), int(job["world_size"]), int(job["local_rank"]))
