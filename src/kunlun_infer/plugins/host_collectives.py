@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from kunlun_infer.plugins import cpu_native
+
 log = logging.getLogger("kunlun_infer.plugin.cpu-comm")
 
 #: bytes of one rank's slot: the most a rank moves in one collective (a larger tensor goes in pieces)
@@ -80,8 +82,6 @@ def _header_bytes(world_size: int) -> int:
 
 def _native() -> Any:
     """The loaded native kernels (not a capture's recorder: these calls are never part of a step's replay)."""
-    from kunlun_infer.plugins import cpu_native
-
     return cpu_native.selection().library
 
 

@@ -100,6 +100,16 @@ def core_shares(cpus: Iterable[int], ranks: int, sysfs: Path = SYSFS) -> list[li
             for r in range(ranks)]
 
 
+def rank_shares(threads: int, ranks: int) -> tuple[int, list[list[int]] | None]:
+    """Each of ``ranks`` ranks' torch threads, out of this process's ``threads``, and CPUs (:func:`core_shares` of
+    this process's affinity; ``None``: nothing to bind)."""
+    shares = core_shares(os.sched_getaffinity(0), ranks) if hasattr(os, "sched_getaffinity") else None
+    share = max(1, threads // ranks)
+    if shares is not None:  # no more threads than CPUs in a rank's share
+        share = min(share, min(len(cpus) for cpus in shares))
+    return share, shares
+
+
 def bind_process(cpus: Iterable[int]) -> None:
     """Bind every thread of this process (and the threads it starts later) to ``cpus``."""
     mask = set(cpus)

@@ -97,14 +97,10 @@ class TensorParallelGroup:
             return
         init_method = cfg.parallel.init_method or f"tcp://127.0.0.1:{free_loopback_port()}"
         config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        # the ranks share this host's cores: each takes an equal share of this process's torch threads and of
-        # the CPUs it may run on, bound there (see cores), where each taking them all had every core run several
+        # the ranks share this host's cores (see cores), where each taking them all had every core run several
         # ranks' threads, spinning against each other
         threads = torch.get_num_threads()
-        shares = cores.core_shares(os.sched_getaffinity(0), self.size) if hasattr(os, "sched_getaffinity") else None
-        share = max(1, threads // self.size)
-        if shares is not None:  # no more threads than CPUs in a rank's share
-            share = min(share, min(len(cpus) for cpus in shares))
+        share, shares = cores.rank_shares(threads, self.size)
         if share != threads:
             self._own_threads = threads
             torch.set_num_threads(share)
