@@ -1,19 +1,21 @@
-"""Tensor-parallel throughput on this machine: one rank vs two, same model, same workload, same tokens.
+"""Tensor-parallel speed on this host: one rank against N ranks, same model, same requests, same tokens, in turns.
 
-Builds a random Llama (default hidden 256, 4 layers, float32) and runs a
-batch of prompts through ``LLM.generate`` (greedy, ``ignore_eos``) with
-``parallel.tensor_size=1`` and ``=2``, after one warm-up batch each. One rank
-is measured with as many torch threads as the two ranks use together and with
-one thread, so the comparison is fair either way. Prints generated tokens per
-second and checks that every setting produced the same tokens.
+Every setting gets the same torch threads from the caller: one rank uses them all, N ranks started by the engine
+take an equal share each (and of the host's CPUs, bound there: ``engine/parallel/cores.py``), so the comparison is
+of the same cores either way. Each turn opens a fresh engine per setting and measures a batch-1 decode (ms a token,
+from one prompt) and a batch of requests (generated tokens a second), greedy with EOS ignored; the medians of the
+turns are printed beside the machine (CPU model, ISA, threads, kernel set, NUMA nodes, each rank's CPUs), with how
+many of the tokens the settings agree on.
 
-    python benchmarks/tp_throughput.py [--prompts 16] [--length 128] [--max-tokens 64] [--threads 1]
-                                       [--hidden 256] [--layers 4]
+    python benchmarks/tp_throughput.py [--shape 0.5b|tiny] [--dtype bfloat16] [--ranks 2] [--turns 3]
+                                       [--requests 8] [--length 64] [--max-tokens 32] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
 import time
@@ -21,58 +23,90 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import machine  # noqa: E402
+import perf_cpu  # noqa: E402
+
 from kunlun_infer import LLM, SamplingParams  # noqa: E402
+from kunlun_infer.engine.parallel import cores  # noqa: E402
 from tests.engine.tiny_models import build_tiny_model  # noqa: E402
 
-def model_config(hidden: int, layers: int) -> dict:
-    return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                num_attention_heads=hidden // 32, num_key_value_heads=hidden // 64, initializer_range=0.05)
+
+def build(shape: str, folder: Path) -> Path:
+    """The model measured: the 0.5B Qwen2 shape of the CPU benchmarks, or a tiny Llama (hidden 256, 4 layers)."""
+    if shape == "0.5b":
+        return perf_cpu.build_model(perf_cpu.SHAPES["0.5b"], folder / "0.5b")
+    return build_tiny_model(folder / "tiny", "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=4, initializer_range=0.05)
 
 
-def run(folder: Path, prompts: list[list[int]], max_tokens: int, tensor_size: int, threads: int,
-        extra: list[str]) -> tuple[float, float, list[list[int]]]:
-    """(seconds to start, seconds to generate, tokens) for one setting; threads per rank."""
-    torch.set_num_threads(threads)  # spawned ranks take the caller's thread count
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    started = time.perf_counter()
-    with LLM(model=str(folder), overrides=[f"parallel.tensor_size={tensor_size}", *extra]) as llm:
-        ready = time.perf_counter()
+def run(folder: Path, ranks: int, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """One fresh engine of ``ranks`` ranks: its batch-1 decode and its batch of requests, and their tokens."""
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    overrides = [f"parallel.tensor_size={ranks}", f"model.dtype={args.dtype}", "model.max_model_len=1024",
+                 f"scheduler.max_num_seqs={max(8, args.requests)}"]
+    with LLM(model=str(folder), overrides=overrides) as llm:
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+        one = machine.best_time(lambda: llm.generate(prompts[:1], params, use_tqdm=False), repeats=3, warm=False)
         begin = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - begin
-    return ready - started, elapsed, [o.token_ids for o in outputs]
+    tokens = [o.token_ids for o in outputs]
+    return {"b1_ms_per_token": 1e3 * one / args.max_tokens, "tok_s": sum(map(len, tokens)) / elapsed,
+            "tokens": tokens}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank with two ranks")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--ranks", type=int, default=2, help="the tensor-parallel setting held against one rank")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--length", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--json", type=Path, help="also append the figures, as one JSON object, to this file")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (args.length,), generator=g).tolist() for _ in range(args.prompts)]
-    extra = ["model.max_model_len=512", f"scheduler.max_num_seqs={args.prompts}",
-             f"scheduler.max_num_batched_tokens={max(512, args.prompts * args.length)}"]
-    settings = [("1 rank", 1, 2 * args.threads), ("1 rank", 1, args.threads), ("2 ranks", 2, args.threads)]
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_tiny_model(Path(tmp) / "model", "llama", **model_config(args.hidden, args.layers))
-        print(f"hidden {args.hidden}, {args.layers} layers; "
-              f"{args.prompts} prompts x {args.length} tokens, {args.max_tokens} new tokens each; "
-              f"{torch.get_num_threads()} cores visible to torch")
-        results = []
-        for name, tensor_size, threads in settings:
-            start_s, gen_s, tokens = run(folder, prompts, args.max_tokens, tensor_size, threads, extra)
-            results.append(tokens)
-            generated = sum(len(t) for t in tokens)
-            print(f"{name:>8}, {threads} thread(s) per rank: start {start_s:5.1f} s, generate {gen_s:6.2f} s, "
-                  f"{generated / gen_s:8.1f} tokens/s")
-        print("same tokens in every setting:", all(r == results[0] for r in results))
+        folder = build(args.shape, Path(tmp))
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        prompts = [torch.randint(0, vocab, (args.length,), generator=g).tolist() for _ in range(args.requests)]
+        facts = machine.facts()
+        threads = torch.get_num_threads()
+        share, shares = cores.rank_shares(threads, args.ranks)
+        print(f"{machine.describe(facts)}; NUMA nodes {[cores.format_cpu_list(n) for n in cores.numa_nodes()]}")
+        print(f"{args.shape} in {args.dtype}; 1 rank of {threads} threads against {args.ranks} ranks of {share} "
+              f"each, on CPUs {' | '.join(map(cores.format_cpu_list, shares)) if shares else '(not bound)'}; "
+              f"{args.requests} requests of {args.length} + {args.max_tokens} tokens; {args.turns} turns")
+        turns: dict[int, list[dict]] = {1: [], args.ranks: []}
+        for _ in range(args.turns):
+            for ranks in turns:
+                turns[ranks].append(run(folder, ranks, args, prompts))
+    result = {"machine": facts, "shape": args.shape, "dtype": args.dtype, "rank_threads": share,
+              "rank_cpus": shares, "settings": {}}
+    for ranks, runs in turns.items():
+        b1 = statistics.median(r["b1_ms_per_token"] for r in runs)
+        tok_s = statistics.median(r["tok_s"] for r in runs)
+        result["settings"][str(ranks)] = {"b1_ms_per_token": [r["b1_ms_per_token"] for r in runs],
+                                         "tok_s": [r["tok_s"] for r in runs]}
+        each_b1 = ", ".join(f"{r['b1_ms_per_token']:.1f}" for r in runs)
+        each_tok_s = ", ".join(f"{r['tok_s']:.1f}" for r in runs)
+        print(f"{ranks} rank(s): batch-1 decode {b1:6.1f} ms/token, {args.requests} requests {tok_s:7.1f} tok/s "
+              f"(turns: {each_b1} ms; {each_tok_s} tok/s)")
+    # every turn of a setting writes the same tokens; the settings agree as far as their sums' order lets them (a
+    # shard's partial sums added up differ in the last bits: exact in float32 on the tiny model, near in bf16)
+    steady = all(r["tokens"] == runs[0]["tokens"] for runs in turns.values() for r in runs)
+    ones, many = turns[1][0]["tokens"], turns[args.ranks][0]["tokens"]
+    agree = sum(a == b for x, y in zip(ones, many) for a, b in zip(x, y)) / max(1, sum(map(len, ones)))
+    result.update(same_tokens_every_turn=steady, tokens_agreeing=agree)
+    print(f"the same tokens turn after turn: {steady}; {args.ranks} ranks' tokens agreeing with one rank's: "
+          f"{agree:.0%}")
+    if args.json:
+        with args.json.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":
