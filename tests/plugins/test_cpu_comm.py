@@ -27,20 +27,20 @@ def test_accumulate_dtype_parsing():
         parse_dtype("float33")
 
 
-def _all_reduce_on_threads(make_comm, inputs):
-    """Each input on its own rank (a thread) of one gloo group; returns every rank's result."""
-    url, world = f"tcp://127.0.0.1:{free_port()}", len(inputs)
+def _ranks_on_threads(world, body, timeout_s=60, make_comm=GlooComm):
+    """``body(comm)`` on each rank (a thread) of one group of ``make_comm()`` comms; returns every rank's result."""
+    url = f"tcp://127.0.0.1:{free_port()}"
     results, errors = [None] * world, []
 
     def rank(r):
+        comm = make_comm()
         try:
-            comm = make_comm()
-            comm.init(rank=r, world_size=world, init_method=url, timeout_s=60)
-            results[r] = comm.all_reduce(inputs[r].clone())
-            comm.barrier()
-            comm.destroy()
+            comm.init(rank=r, world_size=world, init_method=url, timeout_s=timeout_s)
+            results[r] = body(comm)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+        finally:
+            comm.destroy()
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
@@ -49,6 +49,17 @@ def _all_reduce_on_threads(make_comm, inputs):
         t.join(timeout=120)
     assert not errors, errors
     return results
+
+
+def _all_reduce_on_threads(make_comm, inputs):
+    """Each input on its own rank (a thread) of one gloo group; returns every rank's result."""
+
+    def body(comm):
+        total = comm.all_reduce(inputs[comm.rank].clone())
+        comm.barrier()
+        return total
+
+    return _ranks_on_threads(len(inputs), body, make_comm=make_comm)
 
 
 def test_gloo_bf16_all_reduce_accumulates_in_float32_by_default():
@@ -137,30 +148,6 @@ def test_gloo_keeps_a_collectives_tensors_until_the_group_is_gone_and_no_longer_
         comm.barrier()
     assert first_ref() is None  # a bounded window, not a leak
     comm.destroy()
-
-
-def _ranks_on_threads(world, body, timeout_s=30):
-    """``body(comm)`` on each rank (a thread) of one gloo group; returns every rank's result."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    results, errors = [None] * world, []
-
-    def rank(r):
-        comm = GlooComm()
-        try:
-            comm.init(rank=r, world_size=world, init_method=url, timeout_s=timeout_s)
-            results[r] = body(comm)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-        finally:
-            comm.destroy()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    return results
 
 
 def _ours_in(folder):
