@@ -2,7 +2,7 @@
 
 gloo moves every collective through sockets and threads of its own. On a 2-core host an all-reduce of one decode
 row (896 float32 values) took ~1 ms that way, and the 0.5B model's 49 collectives a token made a two-rank
-tensor-parallel decode step 3.6x as long as one rank's step alone. Ranks on one host meet in memory instead.
+tensor-parallel decode step ~4x as long as one rank's step alone. Ranks on one host meet in memory instead.
 
 The segment holds one arrival count per rank (a cache line each), then two sets of slots, a slot of
 :data:`SLOT_BYTES` per rank in each; collective number ``n`` uses set ``n % 2``. A collective: each rank writes its

@@ -73,13 +73,12 @@ def _core_key(cpu: int, sysfs: Path) -> tuple[int, int]:
 def core_shares(cpus: Iterable[int], ranks: int, sysfs: Path = SYSFS) -> list[list[int]] | None:
     """``ranks`` disjoint shares of ``cpus``, in rank order, equal to a core: whole NUMA nodes where those split
     evenly, else whole cores in order of node, package and core; ``None`` when there are fewer CPUs than ranks."""
-    allowed = sorted(set(cpus))
+    allowed = set(cpus)
     if ranks < 1 or len(allowed) < ranks:
         return None
-    nodes = [[c for c in node if c in set(allowed)] for node in numa_nodes(sysfs)]
+    nodes = [[c for c in node if c in allowed] for node in numa_nodes(sysfs)]
     nodes = [node for node in nodes if node]
-    placed = {c for node in nodes for c in node}
-    if len(nodes) >= ranks and len(nodes) % ranks == 0 and placed == set(allowed):
+    if len(nodes) >= ranks and len(nodes) % ranks == 0 and {c for node in nodes for c in node} == allowed:
         per = len(nodes) // ranks
         shares = [sorted(c for node in nodes[r * per:(r + 1) * per] for c in node) for r in range(ranks)]
         if len({len(share) for share in shares}) == 1:  # whole nodes, where that gives every rank as many CPUs
