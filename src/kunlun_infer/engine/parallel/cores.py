@@ -10,12 +10,9 @@ that a core's hardware threads stay in one share. Where there are fewer CPUs tha
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
-
-log = logging.getLogger("kunlun_infer.framework")
 
 #: where Linux describes the CPUs and NUMA nodes
 SYSFS = Path("/sys/devices/system")
