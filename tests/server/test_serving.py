@@ -29,11 +29,30 @@ async def stream_completion(client, url, prompt, max_tokens):
     return text, finish
 
 
-def test_concurrent_streaming_clients_all_finish_correctly_in_shared_batches(server, llm):
+def hold_first_step_until(engine, monkeypatch, ready, timeout_s: float = 60.0) -> None:
+    """The engine's next forward waits until ``ready()`` (or ``timeout_s``): clients that connect one by one
+    are all in the loop before it steps on, however fast the model steps beside them."""
+    runner = engine.runner
+    real_compute = runner.compute
+    held = []
+
+    def compute_after_ready(inputs):
+        if not held:
+            held.append(1)
+            deadline = time.monotonic() + timeout_s
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return real_compute(inputs)
+
+    monkeypatch.setattr(runner, "compute", compute_after_ready)
+
+
+def test_concurrent_streaming_clients_all_finish_correctly_in_shared_batches(server, llm, monkeypatch):
     prompts = [f"client {i}: {'ab' * (i % 5)}" for i in range(NUM_CLIENTS)]
     expected = [o.text for o in llm.generate(prompts, ki.SamplingParams(max_tokens=12, temperature=0),
                                              use_tqdm=False)]
     before = server.metrics()
+    hold_first_step_until(server.engine, monkeypatch, lambda: server.loop.num_in_flight >= NUM_CLIENTS)
 
     async def run_all():
         limits = httpx.Limits(max_connections=NUM_CLIENTS)
