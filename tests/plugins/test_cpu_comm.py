@@ -242,3 +242,59 @@ def test_a_rank_that_never_arrives_times_out_naming_it():
 
     waited = _ranks_on_threads(2, body, timeout_s=2)[0]
     assert 2 <= waited < 4
+
+
+@needs_native
+def test_point_to_point_messages_on_one_host_go_through_shared_memory_in_order_and_in_pieces(monkeypatch):
+    from kunlun_infer.plugins import host_collectives
+    from kunlun_infer.plugins.process_group import ProcessGroupComm
+
+    def not_gloo(self, *args):
+        raise AssertionError("a message between ranks of one host went through gloo's sockets")
+
+    monkeypatch.setattr(ProcessGroupComm, "send", not_gloo)
+    monkeypatch.setattr(ProcessGroupComm, "recv", not_gloo)
+    piece = host_collectives.p2p_piece_bytes(3)
+    g = torch.Generator().manual_seed(5)
+    # more pieces than a ring holds (the sender waits for the receiver), an empty one, bf16 and int64 rows
+    messages = [torch.randn(piece * host_collectives.P2P_SLOTS // 4 * 3 + 7, generator=g),
+                torch.empty(0), (torch.randn(5, 7, generator=g) * 100).to(torch.bfloat16),
+                torch.arange(12, dtype=torch.int64).view(3, 4)]
+
+    def body(comm):
+        after, before = (comm.rank + 1) % 3, (comm.rank - 1) % 3
+        if comm.rank == 0:  # rank 0 sends first and receives last: the others pass the ring on as they go
+            for m in messages:
+                comm.send(m, after)
+        got = []
+        for m in messages:
+            target = torch.empty(m.shape[::-1], dtype=m.dtype).t() if m.dim() == 2 else torch.empty_like(m)
+            got.append(comm.recv(target, before))  # a 2-D target that is not contiguous is filled all the same
+            if comm.rank != 0:
+                comm.send(got[-1], after)
+        return got
+
+    for got in _ranks_on_threads(3, body):
+        assert [t.dtype for t in got] == [m.dtype for m in messages]
+        assert all(torch.equal(t, m) for t, m in zip(got, messages))
+
+
+@needs_native
+def test_a_message_received_into_the_wrong_size_or_never_sent_fails_naming_the_ranks():
+    import time
+
+    def body(comm):
+        if comm.rank == 0:
+            comm.send(torch.ones(6), 1)
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) sent nothing to rank 0 through shared "
+                                                   r"memory within comm.timeout_s=2s \(timed out\)"):
+                comm.recv(torch.empty(3), 1)
+            return time.monotonic() - started
+        with pytest.raises(RuntimeError, match=r"rank 0 sent a message of 24 bytes where rank 1 received into 20 "
+                                               r"\(\(5,\) torch.float32\); a recv's tensor must have the size"):
+            comm.recv(torch.empty(5), 0)
+        return None
+
+    waited = _ranks_on_threads(2, body, timeout_s=2)[0]
+    assert 2 <= waited < 4

@@ -8,9 +8,9 @@ default) and cast back, so partial sums of bf16/fp16 shards do not lose bits.
 The collectives themselves are :class:`~kunlun_infer.plugins.process_group.ProcessGroupComm`'s,
 the base every torch.distributed-backed comm plugin shares, except where every
 rank of a group is on one host: there its all-reduces, gathers, broadcasts and
-barriers (objects' broadcasts too) go through a shared-memory segment
-(:mod:`~kunlun_infer.plugins.host_collectives`), and point-to-point and
-all-to-all through gloo.
+barriers (objects' broadcasts too) and its point-to-point messages go
+through a shared-memory segment (:mod:`~kunlun_infer.plugins.host_collectives`),
+and all-to-all through gloo.
 """
 
 from __future__ import annotations
@@ -127,6 +127,17 @@ class GlooComm(ProcessGroupComm):
             super().barrier()
         else:
             self.host.barrier()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        if self.host is None:
+            super().send(tensor, dst)
+        else:
+            self.host.send(tensor, dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if self.host is None:
+            return super().recv(tensor, src)
+        return self.host.recv(tensor, src)
 
 
 def _accumulate(config: Any) -> torch.dtype | None:

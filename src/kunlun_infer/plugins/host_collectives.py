@@ -18,9 +18,16 @@ fault in a later write), the other ranks open it, and rank 0 unlinks its name on
 is left behind however the processes end. Where the ranks are not all on one host (host name and boot id), or
 the segment cannot be made or opened, or a rank has no native kernels, every rank keeps to gloo, having agreed so.
 
+Point-to-point messages (pipeline stages' activations and control messages) go through channels in the same
+segment, one for each ordered pair of ranks: a ring of :data:`P2P_SLOTS` slots with two counts, the pieces the
+sender has put in and the pieces the receiver has taken out. A sender waits only while the ring is full, a
+receiver until the next piece is in; each slot says how many bytes its piece and its whole message hold, so a
+``recv`` whose tensor does not match the ``send`` fails naming both sizes. Every channel of a group shares
+:data:`P2P_BYTES`, so a group of many ranks gets smaller pieces, not a larger segment. All-to-all stays on gloo.
+
 A wait looks at the clock and at the waited-for rank's process every few milliseconds: a rank whose process has
-ended makes the collective fail at once, one that does not arrive within ``comm.timeout_s`` makes it time out,
-each naming the rank, as gloo's collectives fail.
+ended makes the collective or message fail at once, one that does not arrive within ``comm.timeout_s`` makes it
+time out, each naming the rank, as gloo's collectives fail.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import mmap
 import os
 import secrets
 import socket
+import threading
 import time
 from typing import Any
 
@@ -42,6 +50,10 @@ log = logging.getLogger("kunlun_infer.plugin.cpu-comm")
 
 #: bytes of one rank's slot: the most a rank moves in one collective (a larger tensor goes in pieces)
 SLOT_BYTES = 1 << 20
+#: slots in the ring of one ordered pair of ranks' point-to-point channel
+P2P_SLOTS = 4
+#: the data bytes of every point-to-point channel of one group together (each slot's piece at most 256 KiB)
+P2P_BYTES = 16 << 20
 #: where the segment is made (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
 _LINE = 64
@@ -72,12 +84,27 @@ def process_alive(pid: int) -> bool:
 
 
 def segment_bytes(world_size: int) -> int:
-    """The size of the segment of ``world_size`` ranks: the counts, then two sets of slots."""
-    return _header_bytes(world_size) + 2 * world_size * SLOT_BYTES
+    """The size of the segment of ``world_size`` ranks: the counts, two sets of collective slots, the channels."""
+    return _p2p_start(world_size) + _channels(world_size) * P2P_SLOTS * (p2p_piece_bytes(world_size) + _LINE)
+
+
+def p2p_piece_bytes(world_size: int) -> int:
+    """The data bytes of one slot of a point-to-point channel: a power of two, 16 to 256 KiB."""
+    share = P2P_BYTES // max(1, _channels(world_size) * P2P_SLOTS)
+    return max(16 << 10, min(256 << 10, 1 << (share.bit_length() - 1)))
+
+
+def _channels(world_size: int) -> int:
+    return world_size * (world_size - 1)
 
 
 def _header_bytes(world_size: int) -> int:
-    return -(-world_size * _LINE // _PAGE) * _PAGE
+    """The counts: one line a rank for the collectives, then two a channel (pieces put in, pieces taken out)."""
+    return -(-(world_size + 2 * _channels(world_size)) * _LINE // _PAGE) * _PAGE
+
+
+def _p2p_start(world_size: int) -> int:
+    return _header_bytes(world_size) + 2 * world_size * SLOT_BYTES
 
 
 def _native() -> Any:
@@ -140,6 +167,13 @@ class HostSegment:
         self._slots = _header_bytes(world_size)
         #: collectives this rank has arrived at
         self._arrived = 0
+        self._piece = p2p_piece_bytes(world_size)
+        self._p2p = _p2p_start(world_size)
+        #: pieces this rank has put into its channel to each rank, and taken out of each rank's channel to it
+        self._sent = [0] * world_size
+        self._taken = [0] * world_size
+        self._send_locks = [threading.Lock() for _ in range(world_size)]
+        self._recv_locks = [threading.Lock() for _ in range(world_size)]
 
     @classmethod
     def join(cls, comm: Any, timeout_s: float) -> HostSegment | None:
@@ -189,18 +223,26 @@ class HostSegment:
         """Arrive at the next collective (this rank's writes for it done) and wait for every rank."""
         number = self._arrived = self._arrived + 1
         self._lib.kunlun_host_arrive(self._counts + self.rank * _LINE, number)
+        self._await(self._counts, list(range(self.world_size)), number,
+                    "did not arrive at a shared-memory collective")
+        return number
+
+    def _await(self, counts: int, ranks: list[int], number: int, not_yet: str) -> None:
+        """Wait until the count of each of ``ranks`` (lines from address ``counts`` on) reaches ``number``; fail
+        where one's process ended, time out after ``comm.timeout_s`` (``not_yet`` says what it did not do)."""
         deadline = time.monotonic() + self._timeout_s
         while True:
-            missing = self._lib.kunlun_host_wait(self._counts, self.world_size, _LINE // 8, number, _LOOK_S)
+            missing = self._lib.kunlun_host_wait(counts, len(ranks), _LINE // 8, number, _LOOK_S)
             if missing < 0:
-                return number
-            pid = self._pids[missing]
+                return
+            rank = ranks[missing]
+            pid = self._pids[rank]
             if not process_alive(pid):
-                raise RuntimeError(f"comm=gloo: rank {missing} (pid {pid}) of this host's shared-memory "
+                raise RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) of this host's shared-memory "
                                    "collectives has exited")
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"comm=gloo: rank {missing} (pid {pid}) did not arrive at a shared-memory "
-                                   f"collective within comm.timeout_s={self._timeout_s:g}s (timed out)")
+                raise RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) {not_yet} within "
+                                   f"comm.timeout_s={self._timeout_s:g}s (timed out)")
 
     def _pieces(self, nbytes: int) -> range:
         return range(0, nbytes, SLOT_BYTES)
@@ -256,6 +298,64 @@ class HostSegment:
 
     def barrier(self) -> None:
         self._meet()
+
+    # ------------------------------------------------------------------ point to point
+
+    def _channel(self, src: int, dst: int) -> tuple[int, int]:
+        """The addresses of channel ``src -> dst``'s two counts (pieces put in; taken out) and its first slot."""
+        if not (0 <= src < self.world_size and 0 <= dst < self.world_size) or src == dst:
+            raise ValueError(f"comm=gloo: no channel from rank {src} to rank {dst} in a group of "
+                             f"{self.world_size} ranks")
+        index = src * (self.world_size - 1) + (dst if dst < src else dst - 1)
+        counts = self._counts + (self.world_size + 2 * index) * _LINE
+        return counts, self._p2p + index * P2P_SLOTS * (self._piece + _LINE)
+
+    def _pieces_of(self, nbytes: int) -> range:
+        return range(0, nbytes, self._piece) if nbytes else range(1)  # an empty message is still one piece
+
+    def _p2p_slot(self, first_slot: int, number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Piece ``number``'s slot of a channel: its header (piece bytes, message bytes) and its data."""
+        start = first_slot + ((number - 1) % P2P_SLOTS) * (self._piece + _LINE)
+        return self._bytes[start:start + 16].view(torch.int64), self._bytes[start + _LINE:start + _LINE + self._piece]
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """``tensor`` to rank ``dst``, in order after this rank's earlier messages to it; waits only while the
+        channel's ring is full."""
+        data = tensor.contiguous().view(-1).view(torch.uint8)
+        counts, first_slot = self._channel(self.rank, dst)
+        with self._send_locks[dst]:
+            for start in self._pieces_of(data.numel()):
+                end = min(start + self._piece, data.numel())
+                number = self._sent[dst] + 1
+                self._await(counts + _LINE, [dst], number - P2P_SLOTS,
+                            f"took no message from rank {self.rank} through shared memory")
+                header, slot = self._p2p_slot(first_slot, number)
+                header.copy_(torch.tensor([end - start, data.numel()], dtype=torch.int64))
+                slot[:end - start].copy_(data[start:end])
+                self._sent[dst] = number
+                self._lib.kunlun_host_arrive(counts, number)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s next message to this rank, into ``tensor`` (which must hold exactly its bytes)."""
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        data = work.view(-1).view(torch.uint8)
+        counts, first_slot = self._channel(src, self.rank)
+        with self._recv_locks[src]:
+            for start in self._pieces_of(data.numel()):
+                number = self._taken[src] + 1
+                self._await(counts, [src], number, f"sent nothing to rank {self.rank} through shared memory")
+                header, slot = self._p2p_slot(first_slot, number)
+                nbytes, total = header.tolist()
+                if total != data.numel():
+                    raise RuntimeError(f"comm=gloo: rank {src} sent a message of {total} bytes where rank "
+                                       f"{self.rank} received into {data.numel()} ({tuple(tensor.shape)} "
+                                       f"{tensor.dtype}); a recv's tensor must have the size of the send's")
+                data[start:start + nbytes].copy_(slot[:nbytes])
+                self._taken[src] = number
+                self._lib.kunlun_host_arrive(counts + _LINE, number)
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
 
     def close(self) -> None:
         """Let go of the segment (its memory returns once every rank has)."""
