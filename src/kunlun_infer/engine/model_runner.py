@@ -359,10 +359,10 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         """The model's forward over this rank's layers (a pipeline stage's, given the stage before's output)."""
-        if intermediate is None and self.graphs is not None:
-            hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.attn, self._kv_caches)
-            if hidden is not None:
-                return hidden
+        if self.graphs is not None:
+            out = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.attn, self._kv_caches, intermediate)
+            if out is not None:
+                return out
         metadata = self.attention.build_metadata(inputs.attn)
         return self.model(inputs.input_ids, inputs.positions, metadata, self._kv_caches, intermediate)
 

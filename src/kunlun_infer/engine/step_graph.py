@@ -12,6 +12,15 @@ inputs into those buffers (the metadata through
 The token embedding runs before each replay (:meth:`CausalLM.embed`), the LM
 head and the sampler after it, as in any step.
 
+A pipeline stage's runner captures its layers the same way (one rank a stage:
+a tensor-parallel stage's all-reduces are not native kernels). The first
+stage's capture starts from the embedding and ends with the ``(hidden,
+residual)`` it sends on; a later stage's starts from buffers the stage
+before's ``(hidden, residual)`` is copied into (``stage_dtype`` says what they
+hold). The outputs are the capture's own buffers, rewritten by the next
+replay: a caller that keeps them past it (a send queued for later) copies
+them first.
+
 With ``ops.step_graph_sizes`` only those batch sizes are captured: a step of
 another size runs in the capture of the next larger one, padded with
 sequences that store nothing (:meth:`AttentionStep.padded_to`; token id 0 at
@@ -22,8 +31,8 @@ sizes are captured when the engine starts (:meth:`StepGraphs.capture_sizes`,
 steps of padding sequences only), so no request waits in the middle of
 serving for a capture, or for the first compile of a kernel it runs.
 
-Everything else runs eagerly, as before: steps with prompt tokens, drafts or
-a pipeline stage's input, batches larger than ``ops.step_graphs``, a batch
+Everything else runs eagerly, as before: steps with prompt tokens or
+drafts, batches larger than ``ops.step_graphs``, a batch
 size whose capture the plugin refused (``None``), a backend that cannot
 update its metadata. A replay whose kernel reports a failure makes the step
 run again eagerly, which raises that kernel's own error; the cache writes
@@ -51,6 +60,19 @@ class _Graph:
     positions: torch.Tensor
     metadata: Any
     captured: Any
+    #: the stage before's residual, on a pipeline stage after the first (``None`` on the first)
+    residual: torch.Tensor | None = None
+
+
+def _rows(result: Any, batch: int) -> Any:
+    """The first ``batch`` rows of a capture's result: the hidden states, or a stage's ``(hidden, residual)``."""
+    if isinstance(result, tuple):
+        return tuple(t[:batch] for t in result)
+    return result[:batch]
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if t.shape[0] == rows else torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:])))
 
 
 class StepGraphs:
@@ -58,12 +80,16 @@ class StepGraphs:
 
     ``capture``: the runtime's ``capture_step``; ``max_batch``: the largest
     batch captured (``ops.step_graphs``); ``max_blocks``: the most cache
-    blocks one sequence can hold (the width of the captured block tables).
+    blocks one sequence can hold (the width of the captured block tables);
+    ``stage_dtype``: on a pipeline stage after the first, the dtype of the
+    ``(hidden, residual)`` it receives.
     """
 
     def __init__(self, capture: Callable[[Callable[[], Any]], Any], model: Any, attention: Any, *,
-                 max_batch: int, max_blocks: int, sizes: list[int] | None = None) -> None:
+                 max_batch: int, max_blocks: int, sizes: list[int] | None = None,
+                 stage_dtype: torch.dtype | None = None) -> None:
         self._capture = capture
+        self.stage_dtype = stage_dtype
         #: the batch sizes captured, ascending (``None``: every size up to ``max_batch``)
         self.sizes = None if sizes is None else sorted({int(n) for n in sizes if 1 <= int(n) <= max_batch})
         self.model = model
@@ -92,26 +118,34 @@ class StepGraphs:
         return sorted(self._graphs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep,
-                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
-        """The final hidden states of a decode step from a replay (or the capture that serves its batch size),
-        or ``None`` when the caller must run it eagerly."""
+                kv_caches: list[tuple[torch.Tensor, ...]],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """What the model's forward returns for a decode step (the final hidden states; a pipeline stage's
+        ``(hidden, residual)`` before the last), from a replay or the capture that serves its batch size; ``None``
+        when the caller must run it eagerly. ``intermediate``: the stage before's output, after the first."""
         batch = step.num_seqs
-        if not step.is_decode_only or not kv_caches:
+        if not step.is_decode_only or not kv_caches or (intermediate is not None) != (self.stage_dtype is not None):
             return None
         size = self.size_for(batch)
         if size is None or size in self.refused:
             return None
         if size != batch:
             step = step.padded_to(size)
-            input_ids = torch.cat((input_ids, input_ids.new_zeros(size - batch)))
-            positions = torch.cat((positions, positions.new_zeros(size - batch)))
+            input_ids = _padded(input_ids, size)
+            positions = _padded(positions, size)
+            if intermediate is not None:
+                intermediate = (_padded(intermediate[0], size), _padded(intermediate[1], size))
         graph = self._graphs.get(size)
         if graph is None:
-            hidden = self._first(input_ids, positions, step, kv_caches)
-            return None if hidden is None else hidden[:batch]
+            result = self._first(input_ids, positions, step, kv_caches, intermediate)
+            return None if result is None else _rows(result, batch)
         if not self.attention.update_metadata(graph.metadata, step):
             return None
-        graph.hidden.copy_(self.model.embed(input_ids))
+        if intermediate is None:
+            graph.hidden.copy_(self.model.embed(input_ids))
+        else:
+            graph.hidden.copy_(intermediate[0])
+            graph.residual.copy_(intermediate[1])
         graph.positions.copy_(positions)
         try:
             graph.captured.replay()
@@ -119,21 +153,30 @@ class StepGraphs:
             log.debug("replay of a %d-sequence step failed (%s); running it eagerly", size, exc)
             return None
         self.replays += 1
-        return graph.captured.result[:batch]
+        return _rows(graph.captured.result, batch)
 
     def capture_sizes(self, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int, device: torch.device,
                       max_num_seqs: int) -> int:
         """Capture every size of ``ops.step_graph_sizes`` that a batch of up to ``max_num_seqs`` sequences can
         run in and that is not captured yet, each from a step of padding sequences (nothing stored); returns how
-        many were captured (0 without explicit sizes)."""
+        many were captured (0 without explicit sizes).
+
+        One eager step of padding sequences runs first: a kernel's first call may build what it keeps in torch
+        (the cpu ops widen a bias to float32 once), which a capture refuses, and a runner captures here before
+        any step of its own has run (a pipeline stage's worker does)."""
         before = self.captures
         largest = self.size_for(max_num_seqs) or max(self.sizes or [0])
-        for size in self.sizes or ():
-            if size > largest or size in self._graphs or size in self.refused:
-                continue
+        todo = [n for n in self.sizes or () if n <= largest and n not in self._graphs and n not in self.refused]
+        for index, size in enumerate(todo):
             step = AttentionStep(block_size, [], [], [], [], device).padded_to(size)  # padding sequences only
             zeros = torch.zeros(size, dtype=torch.int64, device=device)  # token ids and positions alike
-            self.forward(zeros, zeros, step, kv_caches)
+            received = None if self.stage_dtype is None else tuple(
+                torch.zeros(size, self.model.config.hidden_size, dtype=self.stage_dtype, device=device)
+                for _ in range(2))
+            if index == 0:
+                start = received if received is not None else (self.model.embed(zeros), None)
+                self.model(zeros, zeros, self.attention.build_metadata(step), kv_caches, start)
+            self.forward(zeros, zeros, step, kv_caches, received)
         return self.captures - before
 
     def size_for(self, batch: int) -> int | None:
@@ -147,7 +190,8 @@ class StepGraphs:
         log.info("decode steps of %d sequence(s) run eagerly: %s", batch, reason)
 
     def _first(self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep,
-               kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
+               kv_caches: list[tuple[torch.Tensor, ...]],
+               intermediate: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
         batch = step.num_seqs
         if any(len(t) > self.max_blocks for t in step.block_tables):
             return None
@@ -157,22 +201,37 @@ class StepGraphs:
         if not self.attention.update_metadata(metadata, step):
             self._refuse(batch, f"attention backend '{self.attention.name}' cannot update its metadata in place")
             return None
-        hidden = self.model.embed(input_ids).clone()
+        if intermediate is None:
+            hidden, residual = self.model.embed(input_ids).clone(), None
+        else:
+            hidden, residual = intermediate[0].clone(), intermediate[1].clone()
         static_positions = positions.clone()
-        captured = self._capture(lambda: self.model(input_ids, static_positions, metadata, kv_caches, (hidden, None)))
+        captured = self._capture(lambda: self.model(input_ids, static_positions, metadata, kv_caches,
+                                                    (hidden, residual)))
+        # a rank that holds its kernels' failures back (engine/parallel) held them back in the capture too:
+        # the refusal is no failure of the step, and a capture that met a failing kernel is not kept; the
+        # eager step records a real failure again
+        deferred = getattr(self.model, "deferred_failures", None)
+        failed = deferred.take() if deferred is not None else None
         if captured is None:
             self._refuse(batch, "the ops plugin did not capture it")
             return None
-        self._graphs[batch] = _Graph(hidden, static_positions, metadata, captured)
+        if failed is not None:
+            return None
+        self._graphs[batch] = _Graph(hidden, static_positions, metadata, captured, residual)
         self.captures += 1
         return captured.result
 
 
-def step_graphs(runtime: Any, model: Any, *, max_model_len: int, block_size: int) -> StepGraphs | None:
-    """The captured steps of a one-rank runner of ``model`` under ``runtime``'s ``ops.step_graphs`` (``None``: 0)."""
+def step_graphs(runtime: Any, model: Any, *, max_model_len: int, block_size: int,
+                dtype: torch.dtype | None = None) -> StepGraphs | None:
+    """The captured steps of a runner of ``model`` under ``runtime``'s ``ops.step_graphs`` (``None``: 0), on one
+    rank or one rank a pipeline stage; ``dtype``: the model's activations (what a later stage receives)."""
     max_batch = int(setting(runtime.config, "ops.step_graphs"))
     if max_batch <= 0:
         return None
     sizes = setting(runtime.config, "ops.step_graph_sizes")
+    span = getattr(model, "span", None)
     return StepGraphs(runtime.capture_step, model, model.attention, max_batch=max_batch,
-                      max_blocks=-(-max_model_len // block_size), sizes=None if sizes is None else list(sizes))
+                      max_blocks=-(-max_model_len // block_size), sizes=None if sizes is None else list(sizes),
+                      stage_dtype=dtype if span is not None and not span.is_first else None)

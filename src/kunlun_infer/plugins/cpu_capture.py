@@ -317,6 +317,8 @@ def capture_or_reason(fn: Callable[[], Any]) -> tuple[CapturedStep | None, str]:
         raise
     finally:
         _active.calls = None
+    if watch.refused:  # a caller inside the region held the refusal back (a rank deferring its failures)
+        return None, watch.refused
     if not calls:
         return None, "the region called no native kernel"
     outputs = {_storage(t)[0] for t in tree_leaves(result) if isinstance(t, torch.Tensor)}

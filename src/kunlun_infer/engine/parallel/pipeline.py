@@ -150,7 +150,9 @@ class PipelineLink:
         return pickle.loads(data.cpu().numpy().tobytes())  # noqa: S301 - from a peer rank of this engine
 
     def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
-        self.outbox.put(tensor.contiguous(), dst)
+        """``tensor`` to ``dst``, copied now: the outbox sends it later, and a captured step's outputs are
+        rewritten by its next replay."""
+        self.outbox.put(tensor.clone(memory_format=torch.contiguous_format), dst)
 
     def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         return self.comm.recv(torch.empty(shape, dtype=dtype, device=self.device), src)

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kunlun_infer.config import setting
 from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine import heap
 from kunlun_infer.engine.model_runner import ModelRunner
@@ -35,6 +36,7 @@ from kunlun_infer.engine.parallel.pipeline import PipelineLink, run_stage
 from kunlun_infer.engine.parallel.pipeline_driver import stage_memory
 from kunlun_infer.engine.parallel.placement import Place, resolve_parallel_config, torchrun_place
 from kunlun_infer.engine.parallel.stages import Grid
+from kunlun_infer.engine.step_graph import step_graphs
 from kunlun_infer.layers.quantization import Quantization
 from kunlun_infer.models import load_model
 from kunlun_infer.runtime import Runtime
@@ -147,6 +149,12 @@ class PipelineWorker(Worker):
                 self.runner.release_kv_cache()
             self._release_heap()
 
+    def resize_kv(self, num_blocks: int) -> None:
+        """Hold ``num_blocks`` KV blocks, then capture the ``ops.step_graph_sizes`` decode steps over them (as
+        rank 0 does for its stage meanwhile), so no request waits for a capture in the middle of serving."""
+        super().resize_kv(num_blocks)
+        self.runner.capture_step_graphs(int(setting(self.runtime.config, "scheduler.max_num_seqs")))
+
     def load(self, spec: dict[str, Any]) -> bool:
         error, extra = None, (0, 0)
         free_before = self.runtime.device.mem_get_info()[0]
@@ -161,6 +169,9 @@ class PipelineWorker(Worker):
                                quantization=None if quantization is None else Quantization(**quantization))
             self.runner = ModelRunner(model, device=self.runtime.device.torch_device,
                                       block_size=spec["block_size"], sampler=None, memory=self.runtime.memory)
+            if self.grid.tensor_size == 1:  # one rank a stage: its decode steps may replay captures
+                self.runner.graphs = step_graphs(self.runtime, model, max_model_len=spec["max_model_len"],
+                                                 block_size=spec["block_size"], dtype=self.dtype)
             extra = stage_memory(model, spec["block_size"])
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
             log.error("rank %d could not load its pipeline stage: %s", self.rank, exc)
