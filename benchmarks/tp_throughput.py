@@ -1,4 +1,5 @@
-"""Tensor-parallel speed on this host: one rank against N ranks, same model, same requests, same tokens, in turns.
+"""Tensor- or pipeline-parallel speed on this host: one rank against N ranks, same model, same requests, same
+tokens, in turns.
 
 Every setting gets the same torch threads from the caller: one rank uses them all, N ranks started by the engine
 take an equal share each (and of the host's CPUs, bound there: ``engine/parallel/cores.py``), so the comparison is
@@ -7,8 +8,10 @@ from one prompt) and a batch of requests (generated tokens a second), greedy wit
 turns are printed beside the machine (CPU model, ISA, threads, kernel set, NUMA nodes, each rank's CPUs), with how
 many of the tokens the settings agree on.
 
-    python benchmarks/tp_throughput.py [--shape 0.5b|tiny] [--dtype bfloat16] [--ranks 2] [--turns 3]
-                                       [--requests 8] [--length 64] [--max-tokens 32] [--json FILE]
+    python benchmarks/tp_throughput.py [--kind tensor|pipeline] [--shape 0.5b|tiny] [--dtype bfloat16] [--ranks 2]
+                                       [--turns 3] [--requests 8] [--length 64] [--max-tokens 32] [--json FILE]
+
+``--kind pipeline`` holds ``parallel.pipeline_size=N`` (one rank a stage) against one rank instead.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def build(shape: str, folder: Path) -> Path:
 def run(folder: Path, ranks: int, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     """One fresh engine of ``ranks`` ranks: its batch-1 decode and its batch of requests, and their tokens."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    overrides = [f"parallel.tensor_size={ranks}", f"model.dtype={args.dtype}", "model.max_model_len=1024",
+    overrides = [f"parallel.{args.kind}_size={ranks}", f"model.dtype={args.dtype}", "model.max_model_len=1024",
                  f"scheduler.max_num_seqs={max(8, args.requests)}"]
     with LLM(model=str(folder), overrides=overrides) as llm:
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
@@ -60,9 +63,11 @@ def run(folder: Path, ranks: int, args: argparse.Namespace, prompts: list[list[i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=["tensor", "pipeline"], default="tensor",
+                        help="what N ranks split: each layer (tensor) or the layers into stages (pipeline)")
     parser.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--ranks", type=int, default=2, help="the tensor-parallel setting held against one rank")
+    parser.add_argument("--ranks", type=int, default=2, help="the parallel setting held against one rank")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--length", type=int, default=64, help="prompt tokens")
@@ -78,14 +83,15 @@ def main() -> None:
         threads = torch.get_num_threads()
         share, shares = cores.rank_shares(threads, args.ranks)
         print(f"{machine.describe(facts)}; NUMA nodes {[cores.format_cpu_list(n) for n in cores.numa_nodes()]}")
-        print(f"{args.shape} in {args.dtype}; 1 rank of {threads} threads against {args.ranks} ranks of {share} "
+        print(f"{args.shape} in {args.dtype}; 1 rank of {threads} threads against {args.ranks} {args.kind}-parallel "
+              f"ranks of {share} "
               f"each, on CPUs {' | '.join(map(cores.format_cpu_list, shares)) if shares else '(not bound)'}; "
               f"{args.requests} requests of {args.length} + {args.max_tokens} tokens; {args.turns} turns")
         turns: dict[int, list[dict]] = {1: [], args.ranks: []}
         for _ in range(args.turns):
             for ranks in turns:
                 turns[ranks].append(run(folder, ranks, args, prompts))
-    result = {"machine": facts, "shape": args.shape, "dtype": args.dtype, "rank_threads": share,
+    result = {"machine": facts, "kind": args.kind, "shape": args.shape, "dtype": args.dtype, "rank_threads": share,
               "rank_cpus": shares, "settings": {}}
     for ranks, runs in turns.items():
         b1 = statistics.median(r["b1_ms_per_token"] for r in runs)

@@ -239,7 +239,7 @@ class HostSegment:
             pid = self._pids[rank]
             if not process_alive(pid):
                 raise RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) of this host's shared-memory "
-                                   "collectives has exited")
+                                   "collectives and messages has exited")
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) {not_yet} within "
                                    f"comm.timeout_s={self._timeout_s:g}s (timed out)")
