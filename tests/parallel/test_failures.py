@@ -102,7 +102,11 @@ def test_a_worker_that_dies_or_hangs_mid_generation_raises_worker_error(how, tin
 
 def test_an_idle_engine_keeps_its_workers_past_the_comm_timeout_and_leaves_no_shared_memory_behind(tiny_model):
     with tp_llm(tiny_model("llama")) as llm:
+        workers = [psutil.Process(pid) for pid in llm.engine.parallel.workers.pids]
+        busy_before = [sum(w.cpu_times()[:2]) for w in workers]
         time.sleep(TIMEOUT_S * 1.5)  # the workers' wait for a step would time out without heartbeats
+        busy = [sum(w.cpu_times()[:2]) - b for w, b in zip(workers, busy_before)]
+        assert max(busy) < 0.1 * TIMEOUT_S * 1.5, busy  # an idle worker naps in its wait (it spun 30% of a core)
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
         assert len(out[0].token_ids) == 3
         pids = llm.engine.parallel.workers.pids

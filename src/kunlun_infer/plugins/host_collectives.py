@@ -230,9 +230,10 @@ class HostSegment:
     def _await(self, counts: int, ranks: list[int], number: int, not_yet: str) -> None:
         """Wait until the count of each of ``ranks`` (lines from address ``counts`` on) reaches ``number``; fail
         where one's process ended, time out after ``comm.timeout_s`` (``not_yet`` says what it did not do)."""
-        deadline = time.monotonic() + self._timeout_s
+        began = time.monotonic()
+        deadline = began + self._timeout_s
         while True:
-            missing = self._lib.kunlun_host_wait(counts, len(ranks), _LINE // 8, number, _LOOK_S)
+            missing = self._lib.kunlun_host_wait(counts, len(ranks), _LINE // 8, number, _LOOK_S, began)
             if missing < 0:
                 return
             rank = ranks[missing]

@@ -16,6 +16,10 @@
 #define SPIN_S 50e-6
 #define YIELD_S 5e-3
 #define SLEEP_NS 200000
+/* and after how long a wait the naps grow longer (an idle worker waiting for the next step: a few hundred wake-ups
+ * a second instead of thousands, the first step after idling answered a millisecond or two later) */
+#define IDLE_S 0.1
+#define IDLE_SLEEP_NS 2000000
 
 static double seconds(void) {
     struct timespec t;
@@ -30,8 +34,11 @@ void kunlun_host_arrive(int64_t *count, int64_t arrived) {
 }
 
 /* Wait until counts[r * stride] >= arrived for every r < ranks, for at most wait_s seconds. Returns -1 once all
- * have (every store a rank made before its count is then seen here), else the first rank not there yet. */
-int64_t kunlun_host_wait(const int64_t *counts, int64_t ranks, int64_t stride, int64_t arrived, double wait_s) {
+ * have (every store a rank made before its count is then seen here), else the first rank not there yet. began: when
+ * the caller's whole wait began (CLOCK_MONOTONIC seconds, as Python's time.monotonic()), of which this call may be
+ * one look of many: how long it has waited so far, not this call, decides between spinning, yielding and napping. */
+int64_t kunlun_host_wait(const int64_t *counts, int64_t ranks, int64_t stride, int64_t arrived, double wait_s,
+                         double began) {
     const double start = seconds();
     for (int64_t looks = 0;; looks++) {
         int64_t missing = -1;
@@ -42,10 +49,11 @@ int64_t kunlun_host_wait(const int64_t *counts, int64_t ranks, int64_t stride, i
             _mm_pause();
             continue;
         }
-        const double waited = seconds() - start;
-        if (waited >= wait_s) return missing;
+        const double now = seconds();
+        if (now - start >= wait_s) return missing;
+        const double waited = now - began;
         if (waited >= YIELD_S) {
-            const struct timespec nap = {0, SLEEP_NS};
+            const struct timespec nap = {0, waited >= IDLE_S ? IDLE_SLEEP_NS : SLEEP_NS};
             nanosleep(&nap, NULL);
         } else if (waited >= SPIN_S) {
             sched_yield();
