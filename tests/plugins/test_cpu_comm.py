@@ -298,3 +298,34 @@ def test_a_message_received_into_the_wrong_size_or_never_sent_fails_naming_the_r
 
     waited = _ranks_on_threads(2, body, timeout_s=2)[0]
     assert 2 <= waited < 4
+
+
+@needs_native
+def test_the_native_all_reduce_gives_the_bits_of_the_python_one_and_counts_its_collectives_alike():
+    from kunlun_infer.plugins import host_collectives
+
+    g = torch.Generator().manual_seed(11)
+    big = host_collectives.SLOT_BYTES // 4 + 3  # float32 values (bf16 widened alike): two pieces
+    inputs = [{"f32": torch.randn(big, generator=g) * 10 ** (2 * r), "bf16": (torch.randn(
+        big, generator=g) * 10 ** r).to(torch.bfloat16), "rows": torch.randn(4, 896, generator=g) * (r + 1)}
+              for r in range(3)]
+
+    def body(comm):
+        out = {}
+        for native in (True, False):  # the C call, then the torch copies and adds it replaced
+            comm.host._native_all_reduce = native
+            for key, accumulate in (("f32", None), ("bf16", torch.float32), ("bf16", torch.bfloat16),
+                                    ("rows", None)):
+                mine = inputs[comm.rank][key].clone()
+                out[native, key, accumulate] = comm.all_reduce(mine, accumulate_dtype=accumulate)
+            out[native, "gathered"] = comm.all_gather(torch.tensor([comm.rank]), dim=0)  # counts still agree
+        return out
+
+    for got in _ranks_on_threads(3, body):
+        for key in [k for k in got if k[0] is True]:
+            assert torch.equal(got[key], got[(False, *key[1:])]), key
+        assert torch.equal(got[True, "bf16", torch.bfloat16], got[False, "bf16", torch.bfloat16])
+        exact = sum(x["bf16"].double() for x in inputs).to(torch.bfloat16)
+        assert torch.equal(got[True, "bf16", torch.float32], exact)  # widened: rounded once
+        assert not torch.equal(got[True, "bf16", torch.bfloat16], exact)  # rounded after each add: bits lost
+        assert got[True, "gathered"].tolist() == [0, 1, 2]

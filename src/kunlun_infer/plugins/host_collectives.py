@@ -33,6 +33,7 @@ time out, each naming the rank, as gloo's collectives fail.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -54,6 +55,10 @@ SLOT_BYTES = 1 << 20
 P2P_SLOTS = 4
 #: the data bytes of every point-to-point channel of one group together (each slot's piece at most 256 KiB)
 P2P_BYTES = 16 << 20
+#: (tensor dtype, dtype added up in) -> (dtype code, widened) of the native all-reduce
+_NATIVE_REDUCTIONS = {(torch.float32, torch.float32): (0, 0), (torch.bfloat16, torch.float32): (1, 1),
+                      (torch.bfloat16, torch.bfloat16): (1, 0)}
+_NOT_AT_COLLECTIVE = "did not arrive at a shared-memory collective"
 #: where the segment is made (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
 _LINE = 64
@@ -165,8 +170,11 @@ class HostSegment:
         self._timeout_s = timeout_s
         self._counts = self._bytes.data_ptr()
         self._slots = _header_bytes(world_size)
-        #: collectives this rank has arrived at
-        self._arrived = 0
+        #: collectives this rank has arrived at: its count in the segment, which a replayed all-reduce moves on too
+        self._arrived = ctypes.c_int64.from_address(self._counts + rank * _LINE)
+        self._pid_table = (ctypes.c_int64 * world_size)(*pids)
+        #: the native all-reduce (``native/host_collectives.c``) where the library has it
+        self._native_all_reduce = hasattr(lib, "kunlun_host_all_reduce")
         self._piece = p2p_piece_bytes(world_size)
         self._p2p = _p2p_start(world_size)
         #: pieces this rank has put into its channel to each rank, and taken out of each rank's channel to it
@@ -221,10 +229,9 @@ class HostSegment:
 
     def _meet(self) -> int:
         """Arrive at the next collective (this rank's writes for it done) and wait for every rank."""
-        number = self._arrived = self._arrived + 1
+        number = self._arrived.value + 1
         self._lib.kunlun_host_arrive(self._counts + self.rank * _LINE, number)
-        self._await(self._counts, list(range(self.world_size)), number,
-                    "did not arrive at a shared-memory collective")
+        self._await(self._counts, list(range(self.world_size)), number, _NOT_AT_COLLECTIVE)
         return number
 
     def _await(self, counts: int, ranks: list[int], number: int, not_yet: str) -> None:
@@ -237,13 +244,25 @@ class HostSegment:
             if missing < 0:
                 return
             rank = ranks[missing]
-            pid = self._pids[rank]
-            if not process_alive(pid):
-                raise RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) of this host's shared-memory "
-                                   "collectives and messages has exited")
+            if not process_alive(self._pids[rank]):
+                raise self._rank_failure(rank, not_yet=None)
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) {not_yet} within "
-                                   f"comm.timeout_s={self._timeout_s:g}s (timed out)")
+                raise self._rank_failure(rank, not_yet)
+
+    def _rank_failure(self, rank: int, not_yet: str | None) -> RuntimeError:
+        """The error of a wait for ``rank``: its process ended (``not_yet`` None), or it did not do ``not_yet``
+        within ``comm.timeout_s``."""
+        pid = self._pids[rank]
+        if not_yet is None:
+            return RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) of this host's shared-memory collectives and "
+                                "messages has exited")
+        return RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) {not_yet} within comm.timeout_s="
+                            f"{self._timeout_s:g}s (timed out)")
+
+    def _failed(self, status: int) -> None:
+        """Raise what the native all-reduce's ``status`` says: a rank that timed out or whose process ended."""
+        raise self._rank_failure((status - 1) % self.world_size,
+                                 None if status > self.world_size else _NOT_AT_COLLECTIVE)
 
     def _pieces(self, nbytes: int) -> range:
         return range(0, nbytes, SLOT_BYTES)
@@ -251,13 +270,24 @@ class HostSegment:
     # ------------------------------------------------------------------ the collectives
 
     def all_reduce(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Sum ``tensor`` over the ranks in place, added up in ``dtype`` in rank order."""
+        """Sum ``tensor`` over the ranks in place, added up in ``dtype`` in rank order.
+
+        float32, and bfloat16 added up in float32 or in bfloat16, are reduced by one native call: nothing of it
+        runs in torch, so a captured step (``cpu_capture.py``) records it with its kernels and replays it."""
+        code = _NATIVE_REDUCTIONS.get((tensor.dtype, dtype))
+        if code is not None and self._native_all_reduce and tensor.is_contiguous():
+            status = cpu_native.library().kunlun_host_all_reduce(
+                self._counts, self.rank, self.world_size, self._counts + self._slots, SLOT_BYTES,
+                tensor.data_ptr(), tensor.numel(), *code, ctypes.addressof(self._pid_table), self._timeout_s)
+            if status:
+                self._failed(status)
+            return tensor
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         size = dtype.itemsize
         for start in self._pieces(flat.numel() * size):
             piece = flat[start // size:(start + SLOT_BYTES) // size]
             nbytes = piece.numel() * size
-            number = self._arrived + 1
+            number = self._arrived.value + 1
             self._slot(number, self.rank, nbytes).view(dtype).copy_(piece)
             self._meet()
             total = torch.add(self._slot(number, 0, nbytes).view(dtype), self._slot(number, 1, nbytes).view(dtype))
@@ -274,7 +304,7 @@ class HostSegment:
         parts = [torch.empty(mine.numel(), dtype=torch.uint8) for _ in range(self.world_size)]
         for start in self._pieces(mine.numel()):
             end = min(start + SLOT_BYTES, mine.numel())
-            number = self._arrived + 1
+            number = self._arrived.value + 1
             self._slot(number, self.rank, end - start).copy_(mine[start:end])
             self._meet()
             for rank, part in enumerate(parts):
@@ -287,7 +317,7 @@ class HostSegment:
         data = work.view(-1).view(torch.uint8)
         for start in self._pieces(data.numel()):
             end = min(start + SLOT_BYTES, data.numel())
-            number = self._arrived + 1
+            number = self._arrived.value + 1
             if self.rank == src:
                 self._slot(number, src, end - start).copy_(data[start:end])
             self._meet()

@@ -5,10 +5,14 @@
  * reached theirs, then read. The data is moved by the caller (torch); these two calls give the ordering between the
  * data and the counts, which Python alone cannot.
  */
+#include <fcntl.h>
 #include <immintrin.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* how long a waiting rank spins before it gives its core away between looks (sched_yield), and how long it yields
  * before it sleeps between looks: a step's collectives come microseconds apart, a worker's wait for the next step
@@ -59,4 +63,107 @@ int64_t kunlun_host_wait(const int64_t *counts, int64_t ranks, int64_t stride, i
             sched_yield();
         }
     }
+}
+
+/* Whether process pid still runs: /proc/<pid>/stat exists and its state is not zombie or dead */
+static int process_alive(int64_t pid) {
+    char path[48], stat[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    const int fd = open(path, O_RDONLY);
+    if (fd < 0) return 0;
+    const ssize_t got = read(fd, stat, sizeof stat - 1);
+    close(fd);
+    if (got <= 0) return 0;
+    stat[got] = 0;
+    const char *state = strrchr(stat, ')');
+    if (!state) return 1;
+    while (*++state == ' ') {}
+    return *state != 'Z' && *state != 'X';
+}
+
+/* Wait for every rank's count to reach arrived, looking at the waited-for rank's process every 20 ms: 0, or
+ * 1 + r where rank r did not arrive within timeout_s, or 1 + ranks + r where rank r's process has ended. */
+static int wait_all(const int64_t *counts, int64_t ranks, int64_t arrived, const int64_t *pids, double timeout_s) {
+    const double began = seconds();
+    for (;;) {
+        const int64_t missing = kunlun_host_wait(counts, ranks, 8, arrived, 0.02, began);
+        if (missing < 0) return 0;
+        if (!process_alive(pids[missing])) return (int)(1 + ranks + missing);
+        if (seconds() - began >= timeout_s) return (int)(1 + missing);
+    }
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* round to nearest even, as torch converts (a NaN becomes the quiet NaN 0x7FC0) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/*
+ * One all-reduce of the n values at data among the ranks of the segment, as host_collectives.py's own all_reduce
+ * makes it, to the bit: counts (a count on a cache line a rank), slots (two sets of `ranks` slots of slot_bytes),
+ * pids (each rank's process). dtype 0: float32, summed in float32; dtype 1: bfloat16, widened to float32 in the
+ * slots and rounded once (wide = 1), or rounded after each add as torch adds two bfloat16 tensors (wide = 0). Every
+ * rank adds the slots up in rank order. The collective's number is this rank's count + 1, so that a step captured
+ * and replayed (cpu_capture.py) needs no value from Python. Returns 0, or what wait_all says went wrong.
+ */
+int kunlun_host_all_reduce(int64_t *counts, int64_t rank, int64_t ranks, uint8_t *slots, int64_t slot_bytes,
+                           void *data, int64_t n, int64_t dtype, int64_t wide, const int64_t *pids, float timeout_s) {
+    const int64_t in_slot = dtype == 0 || wide ? 4 : 2;
+    const int64_t per_piece = slot_bytes / in_slot;
+    for (int64_t start = 0; start < n; start += per_piece) {
+        const int64_t m = n - start < per_piece ? n - start : per_piece;
+        const int64_t number = __atomic_load_n(counts + rank * 8, __ATOMIC_RELAXED) + 1;
+        uint8_t *set = slots + (number % 2) * ranks * slot_bytes;
+        uint8_t *mine = set + rank * slot_bytes;
+        if (dtype == 0) {
+            memcpy(mine, (float *)data + start, (size_t)m * 4);
+        } else if (wide) {
+            const uint16_t *in = (const uint16_t *)data + start;
+            float *out = (float *)mine;
+            for (int64_t i = 0; i < m; i++) out[i] = bf16_to_f32(in[i]);
+        } else {
+            memcpy(mine, (uint16_t *)data + start, (size_t)m * 2);
+        }
+        kunlun_host_arrive(counts + rank * 8, number);
+        const int status = wait_all(counts, ranks, number, pids, timeout_s);
+        if (status) return status;
+        if (dtype == 0 || wide) {
+            const float *first = (const float *)set;
+            float total[256];
+            for (int64_t i0 = 0; i0 < m; i0 += 256) {
+                const int64_t k = m - i0 < 256 ? m - i0 : 256;
+                for (int64_t i = 0; i < k; i++) total[i] = first[i0 + i];
+                for (int64_t r = 1; r < ranks; r++) {
+                    const float *other = (const float *)(set + r * slot_bytes) + i0;
+                    for (int64_t i = 0; i < k; i++) total[i] += other[i];
+                }
+                if (dtype == 0) {
+                    memcpy((float *)data + start + i0, total, (size_t)k * 4);
+                } else {
+                    uint16_t *out = (uint16_t *)data + start + i0;
+                    for (int64_t i = 0; i < k; i++) out[i] = f32_to_bf16(total[i]);
+                }
+            }
+        } else {
+            const uint16_t *first = (const uint16_t *)set;
+            uint16_t *out = (uint16_t *)data + start;
+            for (int64_t i = 0; i < m; i++) {
+                uint16_t total = first[i];
+                for (int64_t r = 1; r < ranks; r++)
+                    total = f32_to_bf16(bf16_to_f32(total) + bf16_to_f32(((const uint16_t *)(set + r * slot_bytes))[i]));
+                out[i] = total;
+            }
+        }
+    }
+    return 0;
 }
