@@ -309,6 +309,24 @@ class Comm(abc.ABC):
         """Device memory this comm plugin keeps for its buffers (for the memory plan)."""
         return 0
 
+    # -- hook API 1.9: collectives inside captured steps; optional, default "no"
+
+    @property
+    def capturable(self) -> bool:
+        """Whether :meth:`all_reduce` may run inside the ops plugin's capture of a step (1.9).
+
+        ``True`` promises that an all-reduce of a contiguous float32 or
+        bfloat16 tensor called while :meth:`OpsProvider.capture` watches is
+        made of work that capture records and replays with the step's
+        kernels (the ``gloo`` comm on one host: one native call over shared
+        memory, which the ``cpu`` ops record), and that any other all-reduce
+        makes the capture refuse. The engine then captures a
+        tensor-parallel rank's decode steps like one rank's; every rank of
+        the group captures and replays the same steps. ``False``, the
+        default: the tensor-parallel steps run eagerly, as before 1.9.
+        """
+        return False
+
     # -- hook API 1.4: point to point and subgroups (pipeline parallelism); optional, with refusing defaults
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:

@@ -173,6 +173,14 @@ Changes
     (``Runtime.optional_ops``): a provider without it is served by the
     reference, noted at info level, and is not refused under
     ``ops.strict``, so a 1.7 plugin loads and runs unchanged.
+    1.9 — collectives in captured steps. ``Comm.capturable`` (a property,
+    default ``False``) says that the comm's all-reduce runs inside the ops
+    plugin's capture (1.5) and is replayed with it. Where the comm of a
+    tensor-parallel group says ``True`` (and the streams plugin runs
+    collectives inline), the engine captures and replays that group's decode
+    steps on every rank, in lockstep. A 1.8 comm plugin has no such
+    property, gets ``False``, and its tensor-parallel steps run eagerly as
+    before.
 """
 
 from __future__ import annotations
@@ -190,7 +198,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 #: pluggy project name and entry-point group
 PROJECT_NAME = "kunlun_infer"
 #: version of this contract, ``(major, minor)``
-HOOK_API_VERSION: tuple[int, int] = (1, 8)
+HOOK_API_VERSION: tuple[int, int] = (1, 9)
 HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

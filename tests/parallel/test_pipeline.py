@@ -311,3 +311,24 @@ def test_torchrun_one_host_two_hosts_on_loopback_and_four_ranks_generate_the_emb
     host0, host1 = run_all(hosts)
     assert json_tokens(host0) == embedded  # rank 0 (host 0) runs the first stage, drives and prints
     assert host1.returncode == 0 and json_tokens(host1) == []  # rank 1 runs the last stage silently
+
+
+def test_stages_capture_the_listed_sizes_at_start_and_replay_them_with_the_eager_steps_tokens(four_layers):
+    from tests.engine.test_step_graph_sizes import assert_same_results
+
+    # ops.step_graph_sizes: rank 0 tells every stage to capture them when the engine starts, as it does its own
+    batch = prompts()[:3]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (3, 6, 9)]
+
+    def run(*extra):
+        with LLM(model=str(four_layers), overrides=pp(2, 1, *extra)) as llm:
+            at_start = llm.engine.runner.graphs and llm.engine.runner.graphs.batch_sizes
+            outs = llm.generate(batch, params, use_tqdm=False)
+            replays = llm.engine.runner.graphs.replays if llm.engine.runner.graphs else 0
+        return [(o.token_ids, o.logprobs) for o in outs], at_start, replays
+
+    eager, _, _ = run("ops.step_graphs=0")
+    replayed, at_start, replays = run("ops.step_graph_sizes=[1,2,4]")
+    assert at_start == [1, 2, 4] and replays >= 6
+    assert_same_results(replayed, eager)  # a padded step's GEMMs take one more row: logprobs to 1e-4
+    assert my_workers() == []

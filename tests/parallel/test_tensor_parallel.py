@@ -209,3 +209,112 @@ def test_two_ranks_check_prompt_lookup_drafts_and_write_the_same_tokens(tiny_mod
         stats = llm.engine.stats()
     assert [o.token_ids for o in outs] == expected
     assert stats["spec_verifications"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+@pytest.mark.skipif(cpu_native.library() is None, reason="captured steps need the native CPU kernels")
+@pytest.mark.parametrize("arch,dtype,sizes", [("llama", "float32", None), ("qwen2", "bfloat16", "[1,2,4]")])
+def test_two_ranks_replay_their_captured_decode_steps_in_lockstep_with_the_eager_steps_bits(arch, dtype, sizes,
+                                                                                            tiny_model):
+    # three requests that finish one after another: the batch shrinks through 3, 2 and 1 (padded to 4 and 2 with
+    # ops.step_graph_sizes, every rank capturing those at start); tokens and logprobs as the eager steps give them
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (4, 7, 10)]
+    batch = prompts()[:3]
+    keys = {"model__dtype": dtype} | ({"ops__step_graph_sizes": sizes} if sizes else {})
+
+    def run(**more):
+        with LLM(model=str(tiny_model(arch)), overrides=overrides(2, **keys, **more)) as llm:
+            outs = llm.generate(batch, params, use_tqdm=False)
+            graphs = llm.engine.runner.graphs
+            seen = None if graphs is None else (graphs.batch_sizes, graphs.replays, dict(graphs.refused))
+            capturable = llm.engine.runtime.comm.capturable
+        return [(o.token_ids, o.logprobs) for o in outs], seen, capturable
+
+    eager, none, _ = run(ops__step_graphs=0)
+    replayed, (batch_sizes, replays, refused), capturable = run()
+    assert none is None and capturable  # gloo on one host: its all-reduces are recorded with the kernels
+    assert replayed == eager
+    assert refused == {} and replays >= 6
+    assert batch_sizes == ([1, 2, 3] if sizes is None else [1, 2, 4])
+
+
+class CommBefore19:
+    """A comm plugin's class as written for hook API 1.8: every collective and send/recv, no ``capturable``."""
+
+    @staticmethod
+    def make():
+        from kunlun_infer.capabilities import Comm
+        from kunlun_infer.plugins.cpu_comm import GlooComm
+
+        class Gloo18(Comm):
+            name = "gloo-1.8"
+
+            def __init__(self):
+                self.gloo = GlooComm()
+
+            def init(self, *, rank, world_size, init_method=None, timeout_s=30.0):
+                self.gloo.init(rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s)
+                self.rank, self.world_size = rank, world_size
+
+            def all_reduce(self, tensor, accumulate_dtype=None):
+                return self.gloo.all_reduce(tensor, accumulate_dtype)
+
+            def all_gather(self, tensor, dim=-1):
+                return self.gloo.all_gather(tensor, dim)
+
+            def broadcast(self, tensor, src=0):
+                return self.gloo.broadcast(tensor, src)
+
+            def broadcast_object(self, obj, src=0):
+                return self.gloo.broadcast_object(obj, src)
+
+            def barrier(self):
+                self.gloo.barrier()
+
+            def destroy(self):
+                self.gloo.destroy()
+
+        return Gloo18()
+
+
+def test_a_comm_plugin_written_for_hook_api_1_8_loads_reduces_and_its_tensor_parallel_steps_run_eagerly(tiny_model):
+    import threading
+
+    from kunlun_infer import compose_config
+    from kunlun_infer.engine.step_graph import step_graphs
+    from kunlun_infer.hookspecs import HOOK_API_VERSION, PluginInfo, hookimpl
+    from kunlun_infer.models import load_model
+    from kunlun_infer.runtime import PluginManager, Runtime
+
+    class PluginBefore19:
+        @hookimpl
+        def kunlun_infer_plugin_info(self):
+            return PluginInfo(name="comm-1.8", version="0.9.0", api=">=1.0,<2", capabilities=("comm",))
+
+        @hookimpl
+        def kunlun_infer_comm_factories(self):
+            return {"gloo-1.8": lambda *, config, device: CommBefore19.make()}
+
+    assert HOOK_API_VERSION >= (1, 9)
+    manager = PluginManager.load(entry_points=False)
+    manager.register(PluginBefore19())
+    folder = tiny_model("llama")
+    seen: dict[str, list] = {}
+
+    def rank(r: int, comm: str, url: str) -> None:  # ranks in threads: the plugin's own collectives, as ever
+        cfg = compose_config(overrides(2) + [f"comm={comm}", f"model.path={folder}"], plugin_manager=manager)
+        with Runtime.from_config(cfg, plugin_manager=manager) as rt:
+            rt.init_comm(rank=r, world_size=2, init_method=url)
+            model = load_model(folder, runtime=rt, dtype=torch.float32, tp_rank=r, tp_size=2)
+            graphs = step_graphs(rt, model, max_model_len=512, block_size=16)
+            total = rt.comm.all_reduce(torch.tensor([float(r + 1)])).item()
+            seen.setdefault(comm, []).append((rt.comm.capturable, graphs is not None, total))
+
+    for comm in ("gloo-1.8", "gloo"):
+        url = f"tcp://127.0.0.1:{free_loopback_port()}"
+        threads = [threading.Thread(target=rank, args=(r, comm, url)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert seen["gloo-1.8"] == [(False, False, 3.0)] * 2  # reduces as it always did; steps stay eager
+    assert seen["gloo"] == [(True, True, 3.0)] * 2  # the built-in gloo of 1.9: captured tensor-parallel steps

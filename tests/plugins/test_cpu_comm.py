@@ -313,7 +313,7 @@ def test_the_native_all_reduce_gives_the_bits_of_the_python_one_and_counts_its_c
     def body(comm):
         out = {}
         for native in (True, False):  # the C call, then the torch copies and adds it replaced
-            comm.host._native_all_reduce = native
+            comm.host.native_all_reduce = native
             for key, accumulate in (("f32", None), ("bf16", torch.float32), ("bf16", torch.bfloat16),
                                     ("rows", None)):
                 mine = inputs[comm.rank][key].clone()

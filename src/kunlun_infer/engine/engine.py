@@ -157,10 +157,9 @@ class LLMEngine:
         runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class
         self.runner = runner_class(model, device=self.device, block_size=self.block_size, sampler=sampler,
                                    memory=rt.memory)
-        if self.parallel is None or (self.grid is not None and self.grid.tensor_size == 1):
-            # one rank, or one a pipeline stage: its decode steps may replay captures (engine/step_graph.py)
-            self.runner.graphs = step_graphs(rt, model, max_model_len=self.max_model_len, block_size=self.block_size,
-                                             dtype=self.dtype)
+        # decode steps may replay captures (engine/step_graph.py), every rank's alike
+        self.runner.graphs = step_graphs(rt, model, max_model_len=self.max_model_len, block_size=self.block_size,
+                                         dtype=self.dtype)
         layout = self.runner.layout
         proposer = load_proposer(cfg.get("speculative"), runtime=rt, dtype=self.dtype,
                                  max_model_len=self.max_model_len, block_size=self.block_size,

@@ -12,8 +12,16 @@ inputs into those buffers (the metadata through
 The token embedding runs before each replay (:meth:`CausalLM.embed`), the LM
 head and the sampler after it, as in any step.
 
-A pipeline stage's runner captures its layers the same way (one rank a stage:
-a tensor-parallel stage's all-reduces are not native kernels). The first
+A tensor-parallel rank captures its decode steps where its group's comm
+says its all-reduces are captured with the kernels (``Comm.capturable``,
+hook API 1.9) and the streams plugin runs them inline: every rank of the
+group meets the same steps, so all capture, refuse or replay the same ones,
+their recorded all-reduces meeting each other in the replays. A kernel that
+fails in one rank's replay alone makes that rank run the step eagerly while
+the others replay it, and the group's collectives then time out, as a rank
+whose kernel fails mid-step always did.
+
+A pipeline stage's runner captures its layers the same way. The first
 stage's capture starts from the embedding and ends with the ``(hidden,
 residual)`` it sends on; a later stage's starts from buffers the stage
 before's ``(hidden, residual)`` is copied into (``stage_dtype`` says what they
@@ -216,8 +224,9 @@ class StepGraphs:
         if captured is None:
             self._refuse(batch, "the ops plugin did not capture it")
             return None
-        if failed is not None:
-            return None
+        if failed is not None:  # the step fails as its eager run would, on this rank's turn in every collective
+            deferred.record(failed)
+            return captured.result
         self._graphs[batch] = _Graph(hidden, static_positions, metadata, captured, residual)
         self.captures += 1
         return captured.result
@@ -225,11 +234,16 @@ class StepGraphs:
 
 def step_graphs(runtime: Any, model: Any, *, max_model_len: int, block_size: int,
                 dtype: torch.dtype | None = None) -> StepGraphs | None:
-    """The captured steps of a runner of ``model`` under ``runtime``'s ``ops.step_graphs`` (``None``: 0), on one
-    rank or one rank a pipeline stage; ``dtype``: the model's activations (what a later stage receives)."""
+    """The captured steps of a runner of ``model`` under ``runtime``'s ``ops.step_graphs`` (``None``: 0, or a
+    tensor-parallel group whose collectives are not captured); ``dtype``: the model's activations (what a later
+    pipeline stage receives)."""
     max_batch = int(setting(runtime.config, "ops.step_graphs"))
     if max_batch <= 0:
         return None
+    ctx = getattr(model, "ctx", None)
+    if ctx is not None and ctx.tp_size > 1 and not (ctx.comm.capturable and ctx.streams is None
+                                                    and ctx.ep_size == 1):
+        return None  # its collectives (all-to-alls too, with experts split) would run outside: every step eager
     sizes = setting(runtime.config, "ops.step_graph_sizes")
     span = getattr(model, "span", None)
     return StepGraphs(runtime.capture_step, model, model.attention, max_batch=max_batch,

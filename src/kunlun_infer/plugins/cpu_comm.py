@@ -107,6 +107,12 @@ class GlooComm(ProcessGroupComm):
     def buffer_bytes(self) -> int:
         return sum(comm.host.nbytes for comm in (self, *self._subgroups) if comm.host is not None)
 
+    @property
+    def capturable(self) -> bool:
+        """On one host with the native all-reduce: a float32 or bf16 all-reduce is one call the ``cpu`` ops'
+        capture records (any other all-reduce copies in torch, which the capture refuses)."""
+        return self.host is not None and self.host.native_all_reduce
+
     def all_reduce(self, tensor: torch.Tensor, accumulate_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.host is None:
             return super().all_reduce(tensor, accumulate_dtype)

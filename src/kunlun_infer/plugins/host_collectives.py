@@ -174,7 +174,7 @@ class HostSegment:
         self._arrived = ctypes.c_int64.from_address(self._counts + rank * _LINE)
         self._pid_table = (ctypes.c_int64 * world_size)(*pids)
         #: the native all-reduce (``native/host_collectives.c``) where the library has it
-        self._native_all_reduce = hasattr(lib, "kunlun_host_all_reduce")
+        self.native_all_reduce = hasattr(lib, "kunlun_host_all_reduce")
         self._piece = p2p_piece_bytes(world_size)
         self._p2p = _p2p_start(world_size)
         #: pieces this rank has put into its channel to each rank, and taken out of each rank's channel to it
@@ -275,7 +275,7 @@ class HostSegment:
         float32, and bfloat16 added up in float32 or in bfloat16, are reduced by one native call: nothing of it
         runs in torch, so a captured step (``cpu_capture.py``) records it with its kernels and replays it."""
         code = _NATIVE_REDUCTIONS.get((tensor.dtype, dtype))
-        if code is not None and self._native_all_reduce and tensor.is_contiguous():
+        if code is not None and self.native_all_reduce and tensor.is_contiguous():
             status = cpu_native.library().kunlun_host_all_reduce(
                 self._counts, self.rank, self.world_size, self._counts + self._slots, SLOT_BYTES,
                 tensor.data_ptr(), tensor.numel(), *code, ctypes.addressof(self._pid_table), self._timeout_s)

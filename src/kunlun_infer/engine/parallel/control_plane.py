@@ -45,16 +45,20 @@ class Kind(enum.IntEnum):
     KV = 2
     LOAD = 3
     STOP = 4
+    #: capture the ``ops.step_graph_sizes`` decode steps now, as rank 0 does (``engine/step_graph.py``)
+    CAPTURE = 5
 
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """A received control message: its kind and, by kind, the step inputs, block count or load spec."""
+    """A received control message: its kind and, by kind, the step inputs, block count, load spec or the batch
+    limit captures are taken up to."""
 
     kind: Kind
     inputs: StepInputs | None = None
     num_blocks: int = 0
     spec: dict[str, Any] | None = None
+    max_num_seqs: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +136,9 @@ class ControlPlane:
         self._send([Kind.LOAD])
         self.comm.broadcast_object(spec, 0)
 
+    def send_capture(self, max_num_seqs: int) -> None:
+        self._send([Kind.CAPTURE, max_num_seqs])
+
     def send_heartbeat(self) -> None:
         self._send([Kind.HEARTBEAT])
 
@@ -155,6 +162,8 @@ class ControlPlane:
             return Message(kind, inputs=unpack_step(numbers, payload, self.device))
         if kind is Kind.KV:
             return Message(kind, num_blocks=numbers[1])
+        if kind is Kind.CAPTURE:
+            return Message(kind, max_num_seqs=numbers[1])
         if kind is Kind.LOAD:
             return Message(kind, spec=self.comm.broadcast_object(None, 0))
         return Message(kind)

@@ -301,6 +301,15 @@ class DriverRunner(ModelRunner):
         with self.group.collective(f"resizing the KV cache to {num_blocks} blocks"):
             self.group.plane.send_kv(num_blocks)
 
+    def capture_step_graphs(self, max_num_seqs: int) -> int:
+        """Tell every rank to capture its ``ops.step_graph_sizes`` steps and capture them here meanwhile: the
+        same sizes in the same order, so that their all-reduces meet each other's (and no heartbeat's)."""
+        if self.graphs is None or not self.graphs.sizes:
+            return 0
+        with self.group.collective("capturing decode steps"):
+            self.group.plane.send_capture(max_num_seqs)
+            return super().capture_step_graphs(max_num_seqs)
+
     def compute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Every rank runs the step; a plugin failure on any of them fails the step alone, the group serves on."""
         with self.group.collective("a model step"):

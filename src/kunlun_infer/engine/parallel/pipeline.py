@@ -131,6 +131,8 @@ class PipelineLink:
             return Message(kind, inputs=unpack_step(numbers, payload, self.device))
         if kind is Kind.KV:
             return Message(kind, num_blocks=numbers[1])
+        if kind is Kind.CAPTURE:
+            return Message(kind, max_num_seqs=numbers[1])
         return Message(kind)
 
     # ------------------------------------------------------------------ step data

@@ -54,6 +54,9 @@ class ChainPlane:
         self.link.send_message([Kind.LOAD])
         self.link.comm.broadcast_object(spec, 0)
 
+    def send_capture(self, max_num_seqs: int) -> None:
+        self.link.send_message([Kind.CAPTURE, max_num_seqs])
+
     def send_heartbeat(self) -> None:
         self.link.send_message([Kind.HEARTBEAT])
 
@@ -169,6 +172,14 @@ class PipelineDriverRunner(ModelRunner):
         super().resize_kv_cache(num_blocks)
         with self.group.collective(f"resizing the KV cache to {num_blocks} blocks"):
             self.group.plane.send_kv(num_blocks)
+
+    def capture_step_graphs(self, max_num_seqs: int) -> int:
+        """Tell every stage to capture its ``ops.step_graph_sizes`` steps, then capture the first stage's."""
+        if self.graphs is None or not self.graphs.sizes:
+            return 0
+        with self.group.collective("capturing decode steps"):
+            self.group.plane.send_capture(max_num_seqs)
+            return super().capture_step_graphs(max_num_seqs)
 
     @torch.inference_mode()
     def submit(self, batch: ScheduledBatch, co_samples: Mapping[int, list[Sequence]] | None = None) -> Pending:

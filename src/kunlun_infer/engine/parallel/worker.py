@@ -26,7 +26,6 @@ from typing import Any, TextIO
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from kunlun_infer.config import setting
 from kunlun_infer.dtypes import DTYPES
 from kunlun_infer.engine import heap
 from kunlun_infer.engine.model_runner import ModelRunner
@@ -68,6 +67,8 @@ class Worker:
                     self._hold_heap()
                 elif message.kind is Kind.KV:
                     self.resize_kv(message.num_blocks)
+                elif message.kind is Kind.CAPTURE:  # as rank 0 does now: the same sizes, their all-reduces met
+                    self.runner.capture_step_graphs(message.max_num_seqs)
                 elif message.kind is Kind.STEP:
                     with torch.inference_mode():
                         self.runner.compute(message.inputs)
@@ -103,6 +104,8 @@ class Worker:
                                expert_size=spec.get("expert_size", 1))
             self.runner = ModelRunner(model, device=self.runtime.device.torch_device,
                                       block_size=spec["block_size"], sampler=None, memory=self.runtime.memory)
+            self.runner.graphs = step_graphs(self.runtime, model, max_model_len=spec["max_model_len"],
+                                             block_size=spec["block_size"], dtype=dtype)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
             log.error("rank %d could not load the model: %s", self.rank, exc)
             error = f"{type(exc).__name__}: {exc}"
@@ -139,6 +142,8 @@ class PipelineWorker(Worker):
                     self._hold_heap()
                 elif message.kind is Kind.KV:
                     self.resize_kv(message.num_blocks)
+                elif message.kind is Kind.CAPTURE:
+                    self.runner.capture_step_graphs(message.max_num_seqs)
                 elif message.kind is Kind.STEP:
                     run_stage(self.runner, self.link, message.inputs, tp_rank=self.grid.tp_rank_of(self.rank),
                               hidden_size=self.runner.model.config.hidden_size, dtype=self.dtype)
@@ -148,12 +153,6 @@ class PipelineWorker(Worker):
             if self.runner is not None:
                 self.runner.release_kv_cache()
             self._release_heap()
-
-    def resize_kv(self, num_blocks: int) -> None:
-        """Hold ``num_blocks`` KV blocks, then capture the ``ops.step_graph_sizes`` decode steps over them (as
-        rank 0 does for its stage meanwhile), so no request waits for a capture in the middle of serving."""
-        super().resize_kv(num_blocks)
-        self.runner.capture_step_graphs(int(setting(self.runtime.config, "scheduler.max_num_seqs")))
 
     def load(self, spec: dict[str, Any]) -> bool:
         error, extra = None, (0, 0)
@@ -169,9 +168,8 @@ class PipelineWorker(Worker):
                                quantization=None if quantization is None else Quantization(**quantization))
             self.runner = ModelRunner(model, device=self.runtime.device.torch_device,
                                       block_size=spec["block_size"], sampler=None, memory=self.runtime.memory)
-            if self.grid.tensor_size == 1:  # one rank a stage: its decode steps may replay captures
-                self.runner.graphs = step_graphs(self.runtime, model, max_model_len=spec["max_model_len"],
-                                                 block_size=spec["block_size"], dtype=self.dtype)
+            self.runner.graphs = step_graphs(self.runtime, model, max_model_len=spec["max_model_len"],
+                                             block_size=spec["block_size"], dtype=self.dtype)
             extra = stage_memory(model, spec["block_size"])
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
             log.error("rank %d could not load its pipeline stage: %s", self.rank, exc)
