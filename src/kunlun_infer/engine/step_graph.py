@@ -216,15 +216,16 @@ class StepGraphs:
         static_positions = positions.clone()
         captured = self._capture(lambda: self.model(input_ids, static_positions, metadata, kv_caches,
                                                     (hidden, residual)))
-        # a rank that holds its kernels' failures back (engine/parallel) held them back in the capture too:
-        # the refusal is no failure of the step, and a capture that met a failing kernel is not kept; the
-        # eager step records a real failure again
+        # a rank that holds its kernels' failures back (engine/parallel) held them back in the capture too: a
+        # refusal is no failure of the step (the eager run that follows records any real one again); a capture
+        # that met a failing kernel is not kept, and its step fails as an eager one would, having taken its turn
+        # in every collective of the group
         deferred = getattr(self.model, "deferred_failures", None)
         failed = deferred.take() if deferred is not None else None
         if captured is None:
             self._refuse(batch, "the ops plugin did not capture it")
             return None
-        if failed is not None:  # the step fails as its eager run would, on this rank's turn in every collective
+        if failed is not None:
             deferred.record(failed)
             return captured.result
         self._graphs[batch] = _Graph(hidden, static_positions, metadata, captured, residual)
