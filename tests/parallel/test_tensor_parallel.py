@@ -237,66 +237,20 @@ def test_two_ranks_replay_their_captured_decode_steps_in_lockstep_with_the_eager
     assert batch_sizes == ([1, 2, 3] if sizes is None else [1, 2, 4])
 
 
-class CommBefore19:
-    """A comm plugin's class as written for hook API 1.8: every collective and send/recv, no ``capturable``."""
-
-    @staticmethod
-    def make():
-        from kunlun_infer.capabilities import Comm
-        from kunlun_infer.plugins.cpu_comm import GlooComm
-
-        class Gloo18(Comm):
-            name = "gloo-1.8"
-
-            def __init__(self):
-                self.gloo = GlooComm()
-
-            def init(self, *, rank, world_size, init_method=None, timeout_s=30.0):
-                self.gloo.init(rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s)
-                self.rank, self.world_size = rank, world_size
-
-            def all_reduce(self, tensor, accumulate_dtype=None):
-                return self.gloo.all_reduce(tensor, accumulate_dtype)
-
-            def all_gather(self, tensor, dim=-1):
-                return self.gloo.all_gather(tensor, dim)
-
-            def broadcast(self, tensor, src=0):
-                return self.gloo.broadcast(tensor, src)
-
-            def broadcast_object(self, obj, src=0):
-                return self.gloo.broadcast_object(obj, src)
-
-            def barrier(self):
-                self.gloo.barrier()
-
-            def destroy(self):
-                self.gloo.destroy()
-
-        return Gloo18()
-
-
-def test_a_comm_plugin_written_for_hook_api_1_8_loads_reduces_and_its_tensor_parallel_steps_run_eagerly(tiny_model):
+def test_a_comm_plugin_written_before_hook_api_1_9_loads_reduces_and_its_tensor_parallel_steps_run_eagerly(
+        tiny_model):
     import threading
 
     from kunlun_infer import compose_config
     from kunlun_infer.engine.step_graph import step_graphs
-    from kunlun_infer.hookspecs import HOOK_API_VERSION, PluginInfo, hookimpl
+    from kunlun_infer.hookspecs import HOOK_API_VERSION
     from kunlun_infer.models import load_model
     from kunlun_infer.runtime import PluginManager, Runtime
-
-    class PluginBefore19:
-        @hookimpl
-        def kunlun_infer_plugin_info(self):
-            return PluginInfo(name="comm-1.8", version="0.9.0", api=">=1.0,<2", capabilities=("comm",))
-
-        @hookimpl
-        def kunlun_infer_comm_factories(self):
-            return {"gloo-1.8": lambda *, config, device: CommBefore19.make()}
+    from tests.parallel.test_pipeline import PluginBefore14  # a comm of hook API 1.3: no capturable either
 
     assert HOOK_API_VERSION >= (1, 9)
     manager = PluginManager.load(entry_points=False)
-    manager.register(PluginBefore19())
+    manager.register(PluginBefore14())
     folder = tiny_model("llama")
     seen: dict[str, list] = {}
 
@@ -309,12 +263,12 @@ def test_a_comm_plugin_written_for_hook_api_1_8_loads_reduces_and_its_tensor_par
             total = rt.comm.all_reduce(torch.tensor([float(r + 1)])).item()
             seen.setdefault(comm, []).append((rt.comm.capturable, graphs is not None, total))
 
-    for comm in ("gloo-1.8", "gloo"):
+    for comm in ("gloo-1.3", "gloo"):
         url = f"tcp://127.0.0.1:{free_loopback_port()}"
         threads = [threading.Thread(target=rank, args=(r, comm, url)) for r in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
-    assert seen["gloo-1.8"] == [(False, False, 3.0)] * 2  # reduces as it always did; steps stay eager
+    assert seen["gloo-1.3"] == [(False, False, 3.0)] * 2  # reduces as it always did; steps stay eager
     assert seen["gloo"] == [(True, True, 3.0)] * 2  # the built-in gloo of 1.9: captured tensor-parallel steps
