@@ -329,3 +329,22 @@ def test_the_native_all_reduce_gives_the_bits_of_the_python_one_and_counts_its_c
         assert torch.equal(got[True, "bf16", torch.float32], exact)  # widened: rounded once
         assert not torch.equal(got[True, "bf16", torch.bfloat16], exact)  # rounded after each add: bits lost
         assert got[True, "gathered"].tolist() == [0, 1, 2]
+
+
+@needs_native
+@pytest.mark.parametrize("native", [True, False])
+def test_ranks_that_call_their_collectives_in_different_orders_fail_naming_both(native):
+    def body(comm):
+        comm.host.native_all_reduce = native
+        comm.barrier()
+        if comm.rank == 0:  # an all-reduce where rank 1 broadcasts: neither reads the other's slot as its own
+            with pytest.raises(RuntimeError, match=r"rank 1 is at a broadcast from rank 1 of 16 bytes where rank 0 "
+                                                   r"is at an all-reduce of 16 bytes .*different orders"):
+                comm.all_reduce(torch.ones(4))
+        else:
+            with pytest.raises(RuntimeError, match=r"rank 0 is at an all-reduce of 16 bytes where rank 1 is at a "
+                                                   r"broadcast from rank 1 of 16 bytes"):
+                comm.broadcast(torch.ones(4), src=1)
+        return True
+
+    assert _ranks_on_threads(2, body) == [True, True]

@@ -59,6 +59,21 @@ P2P_BYTES = 16 << 20
 _NATIVE_REDUCTIONS = {(torch.float32, torch.float32): (0, 0), (torch.bfloat16, torch.float32): (1, 1),
                       (torch.bfloat16, torch.bfloat16): (1, 0)}
 _NOT_AT_COLLECTIVE = "did not arrive at a shared-memory collective"
+#: what a rank says it is at, beside its count (a collective's kind, its root, its bytes): ranks that meet at
+#: different collectives (a bug that crossed them) fail naming both, rather than read each other's slots
+_KINDS = {1: "an all-reduce", 2: "an all-gather", 3: "a broadcast", 4: "a barrier"}
+_ALL_REDUCE, _ALL_GATHER, _BROADCAST, _BARRIER = _KINDS
+
+
+def _tag(kind: int, nbytes: int = 0, src: int = 0) -> int:
+    return kind << 56 | src << 40 | nbytes
+
+
+def _describe(tag: int) -> str:
+    kind, src, nbytes = tag >> 56, tag >> 40 & 0xFFFF, tag & (1 << 40) - 1
+    what = _KINDS.get(kind, f"collective kind {kind}")
+    return what + (f" from rank {src}" if kind == _BROADCAST else "") + (f" of {nbytes} bytes" if kind != _BARRIER
+                                                                         else "")
 #: where the segment is made (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
 _LINE = 64
@@ -227,12 +242,27 @@ class HostSegment:
         start = self._slots + ((number % 2) * self.world_size + rank) * SLOT_BYTES
         return self._bytes[start:start + nbytes]
 
-    def _meet(self) -> int:
-        """Arrive at the next collective (this rank's writes for it done) and wait for every rank."""
+    def _meet(self, tag: int) -> int:
+        """Arrive at the next collective (this rank's writes for it done), saying which one (``tag``); wait for
+        every rank, and fail where one is at another collective."""
         number = self._arrived.value + 1
+        self._tag_of(self.rank, number).value = tag
         self._lib.kunlun_host_arrive(self._counts + self.rank * _LINE, number)
         self._await(self._counts, list(range(self.world_size)), number, _NOT_AT_COLLECTIVE)
+        for rank in range(self.world_size):
+            if self._tag_of(rank, number).value != tag:
+                raise self._crossed(rank, number)
         return number
+
+    def _tag_of(self, rank: int, number: int) -> ctypes.c_int64:
+        """Where ``rank`` says which collective its ``number``-th is: its count's line, one word a set."""
+        return ctypes.c_int64.from_address(self._counts + rank * _LINE + 8 * (1 + number % 2))
+
+    def _crossed(self, rank: int, number: int) -> RuntimeError:
+        return RuntimeError(
+            f"comm=gloo: rank {rank} is at {_describe(self._tag_of(rank, number).value)} where rank {self.rank} is "
+            f"at {_describe(self._tag_of(self.rank, number).value)} (shared-memory collective {number}): the ranks "
+            "called their collectives in different orders")
 
     def _await(self, counts: int, ranks: list[int], number: int, not_yet: str) -> None:
         """Wait until the count of each of ``ranks`` (lines from address ``counts`` on) reaches ``number``; fail
@@ -261,8 +291,10 @@ class HostSegment:
 
     def _failed(self, status: int) -> None:
         """Raise what the native all-reduce's ``status`` says: a rank that timed out or whose process ended."""
-        raise self._rank_failure((status - 1) % self.world_size,
-                                 None if status > self.world_size else _NOT_AT_COLLECTIVE)
+        rank, why = (status - 1) % self.world_size, (status - 1) // self.world_size
+        if why == 2:
+            raise self._crossed(rank, self._arrived.value)
+        raise self._rank_failure(rank, None if why == 1 else _NOT_AT_COLLECTIVE)
 
     def _pieces(self, nbytes: int) -> range:
         return range(0, nbytes, SLOT_BYTES)
@@ -289,7 +321,7 @@ class HostSegment:
             nbytes = piece.numel() * size
             number = self._arrived.value + 1
             self._slot(number, self.rank, nbytes).view(dtype).copy_(piece)
-            self._meet()
+            self._meet(_tag(_ALL_REDUCE, nbytes))
             total = torch.add(self._slot(number, 0, nbytes).view(dtype), self._slot(number, 1, nbytes).view(dtype))
             for rank in range(2, self.world_size):
                 total.add_(self._slot(number, rank, nbytes).view(dtype))
@@ -306,7 +338,7 @@ class HostSegment:
             end = min(start + SLOT_BYTES, mine.numel())
             number = self._arrived.value + 1
             self._slot(number, self.rank, end - start).copy_(mine[start:end])
-            self._meet()
+            self._meet(_tag(_ALL_GATHER, end - start))
             for rank, part in enumerate(parts):
                 part[start:end].copy_(self._slot(number, rank, end - start))
         return torch.cat([part.view(tensor.dtype).view(tensor.shape) for part in parts], dim=dim)
@@ -320,7 +352,7 @@ class HostSegment:
             number = self._arrived.value + 1
             if self.rank == src:
                 self._slot(number, src, end - start).copy_(data[start:end])
-            self._meet()
+            self._meet(_tag(_BROADCAST, end - start, src))
             if self.rank != src:
                 data[start:end].copy_(self._slot(number, src, end - start))
         if work is not tensor and self.rank != src:
@@ -328,7 +360,7 @@ class HostSegment:
         return tensor
 
     def barrier(self) -> None:
-        self._meet()
+        self._meet(_tag(_BARRIER))
 
     # ------------------------------------------------------------------ point to point
 

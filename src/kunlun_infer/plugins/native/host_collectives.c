@@ -114,7 +114,9 @@ static inline uint16_t f32_to_bf16(float f) {
  * pids (each rank's process). dtype 0: float32, summed in float32; dtype 1: bfloat16, widened to float32 in the
  * slots and rounded once (wide = 1), or rounded after each add as torch adds two bfloat16 tensors (wide = 0). Every
  * rank adds the slots up in rank order. The collective's number is this rank's count + 1, so that a step captured
- * and replayed (cpu_capture.py) needs no value from Python. Returns 0, or what wait_all says went wrong.
+ * and replayed (cpu_capture.py) needs no value from Python. Beside its count each rank says which collective it is
+ * at (one word a set of slots); ranks at different ones fail. Returns 0, what wait_all says went wrong, or
+ * 1 + 2 * ranks + r where rank r is at another collective.
  */
 int kunlun_host_all_reduce(int64_t *counts, int64_t rank, int64_t ranks, uint8_t *slots, int64_t slot_bytes,
                            void *data, int64_t n, int64_t dtype, int64_t wide, const int64_t *pids, float timeout_s) {
@@ -134,9 +136,15 @@ int kunlun_host_all_reduce(int64_t *counts, int64_t rank, int64_t ranks, uint8_t
         } else {
             memcpy(mine, (uint16_t *)data + start, (size_t)m * 2);
         }
+        /* which collective this is, as host_collectives.py tags an all-reduce: kind 1, its piece's bytes */
+        const int64_t tag = ((int64_t)1 << 56) | (m * in_slot);
+        __atomic_store_n(counts + rank * 8 + 1 + number % 2, tag, __ATOMIC_RELAXED);
         kunlun_host_arrive(counts + rank * 8, number);
         const int status = wait_all(counts, ranks, number, pids, timeout_s);
         if (status) return status;
+        for (int64_t r = 0; r < ranks; r++)
+            if (__atomic_load_n(counts + r * 8 + 1 + number % 2, __ATOMIC_RELAXED) != tag)
+                return (int)(1 + 2 * ranks + r);
         if (dtype == 0 || wide) {
             const float *first = (const float *)set;
             float total[256];
