@@ -78,7 +78,7 @@ def _describe(tag: int) -> str:
 SHM_DIR = "/dev/shm"
 _LINE = 64
 _PAGE = 4096
-#: how long one native wait lasts before the waited-for rank's process and the clock are looked at
+#: how long one native look of a wait lasts before the waiting thread is back in Python (to handle its signals)
 _LOOK_S = 0.02
 
 
@@ -90,17 +90,6 @@ def host_identity() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (an exited child not yet reaped counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat.rsplit(")", 1)[-1].split()
-    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def segment_bytes(world_size: int) -> int:
@@ -181,13 +170,13 @@ class HostSegment:
         self._memory = memory
         self._bytes = torch.frombuffer(memory, dtype=torch.uint8)
         self._lib = lib
-        self._pids = pids
         self._timeout_s = timeout_s
         self._counts = self._bytes.data_ptr()
         self._slots = _header_bytes(world_size)
         #: collectives this rank has arrived at: its count in the segment, which a replayed all-reduce moves on too
         self._arrived = ctypes.c_int64.from_address(self._counts + rank * _LINE)
-        self._pid_table = (ctypes.c_int64 * world_size)(*pids)
+        #: each rank's process, which the native waits look at
+        self._pids = (ctypes.c_int64 * world_size)(*pids)
         #: the native all-reduce (``native/host_collectives.c``) where the library has it
         self.native_all_reduce = hasattr(lib, "kunlun_host_all_reduce")
         self._piece = p2p_piece_bytes(world_size)
@@ -248,7 +237,7 @@ class HostSegment:
         number = self._arrived.value + 1
         self._tag_of(self.rank, number).value = tag
         self._lib.kunlun_host_arrive(self._counts + self.rank * _LINE, number)
-        self._await(self._counts, list(range(self.world_size)), number, _NOT_AT_COLLECTIVE)
+        self._await(self._counts, 0, self.world_size, number, _NOT_AT_COLLECTIVE)
         for rank in range(self.world_size):
             if self._tag_of(rank, number).value != tag:
                 raise self._crossed(rank, number)
@@ -264,37 +253,30 @@ class HostSegment:
             f"at {_describe(self._tag_of(self.rank, number).value)} (shared-memory collective {number}): the ranks "
             "called their collectives in different orders")
 
-    def _await(self, counts: int, ranks: list[int], number: int, not_yet: str) -> None:
-        """Wait until the count of each of ``ranks`` (lines from address ``counts`` on) reaches ``number``; fail
-        where one's process ended, time out after ``comm.timeout_s`` (``not_yet`` says what it did not do)."""
+    def _await(self, counts: int, first: int, ranks: int, number: int, not_yet: str) -> None:
+        """Wait until the counts of ranks ``first`` .. ``first + ranks - 1`` (lines from address ``counts`` on)
+        reach ``number``, in native looks between which this thread handles its signals; fail where one's process
+        ended, time out after ``comm.timeout_s`` (``not_yet`` says what it did not do)."""
         began = time.monotonic()
-        deadline = began + self._timeout_s
-        while True:
-            missing = self._lib.kunlun_host_wait(counts, len(ranks), _LINE // 8, number, _LOOK_S, began)
-            if missing < 0:
-                return
-            rank = ranks[missing]
-            if not process_alive(self._pids[rank]):
-                raise self._rank_failure(rank, not_yet=None)
-            if time.monotonic() >= deadline:
-                raise self._rank_failure(rank, not_yet)
+        pids = ctypes.addressof(self._pids) + 8 * first
+        while (status := self._lib.kunlun_host_await(counts, ranks, number, pids, self._timeout_s, began,
+                                                     _LOOK_S)) < 0:
+            pass
+        if status:
+            raise self._wait_failure(status, first, ranks, number, not_yet)
 
-    def _rank_failure(self, rank: int, not_yet: str | None) -> RuntimeError:
-        """The error of a wait for ``rank``: its process ended (``not_yet`` None), or it did not do ``not_yet``
-        within ``comm.timeout_s``."""
+    def _wait_failure(self, status: int, first: int, ranks: int, number: int, not_yet: str) -> RuntimeError:
+        """The error a native wait's ``status`` (over ranks ``first`` .. ``first + ranks - 1``) says: a rank that
+        did not do ``not_yet`` within ``comm.timeout_s``, whose process ended, or that is at another collective."""
+        rank, why = first + (status - 1) % ranks, (status - 1) // ranks
         pid = self._pids[rank]
-        if not_yet is None:
+        if why == 2:
+            return self._crossed(rank, number)
+        if why == 1:
             return RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) of this host's shared-memory collectives and "
                                 "messages has exited")
         return RuntimeError(f"comm=gloo: rank {rank} (pid {pid}) {not_yet} within comm.timeout_s="
                             f"{self._timeout_s:g}s (timed out)")
-
-    def _failed(self, status: int) -> None:
-        """Raise what the native all-reduce's ``status`` says: a rank that timed out or whose process ended."""
-        rank, why = (status - 1) % self.world_size, (status - 1) // self.world_size
-        if why == 2:
-            raise self._crossed(rank, self._arrived.value)
-        raise self._rank_failure(rank, None if why == 1 else _NOT_AT_COLLECTIVE)
 
     def _pieces(self, nbytes: int) -> range:
         return range(0, nbytes, SLOT_BYTES)
@@ -310,9 +292,9 @@ class HostSegment:
         if code is not None and self.native_all_reduce and tensor.is_contiguous():
             status = cpu_native.library().kunlun_host_all_reduce(
                 self._counts, self.rank, self.world_size, self._counts + self._slots, SLOT_BYTES,
-                tensor.data_ptr(), tensor.numel(), *code, ctypes.addressof(self._pid_table), self._timeout_s)
+                tensor.data_ptr(), tensor.numel(), *code, ctypes.addressof(self._pids), self._timeout_s)
             if status:
-                self._failed(status)
+                raise self._wait_failure(status, 0, self.world_size, self._arrived.value, _NOT_AT_COLLECTIVE)
             return tensor
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         size = dtype.itemsize
@@ -390,7 +372,7 @@ class HostSegment:
             for start in self._pieces_of(data.numel()):
                 end = min(start + self._piece, data.numel())
                 number = self._sent[dst] + 1
-                self._await(counts + _LINE, [dst], number - P2P_SLOTS,
+                self._await(counts + _LINE, dst, 1, number - P2P_SLOTS,
                             f"took no message from rank {self.rank} through shared memory")
                 header, slot = self._p2p_slot(first_slot, number)
                 header.copy_(torch.tensor([end - start, data.numel()], dtype=torch.int64))
@@ -406,7 +388,7 @@ class HostSegment:
         with self._recv_locks[src]:
             for start in self._pieces_of(data.numel()):
                 number = self._taken[src] + 1
-                self._await(counts, [src], number, f"sent nothing to rank {self.rank} through shared memory")
+                self._await(counts, src, 1, number, f"sent nothing to rank {self.rank} through shared memory")
                 header, slot = self._p2p_slot(first_slot, number)
                 nbytes, total = header.tolist()
                 if total != data.numel():

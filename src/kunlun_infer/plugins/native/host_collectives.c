@@ -37,17 +37,16 @@ void kunlun_host_arrive(int64_t *count, int64_t arrived) {
     __atomic_store_n(count, arrived, __ATOMIC_RELEASE);
 }
 
-/* Wait until counts[r * stride] >= arrived for every r < ranks, for at most wait_s seconds. Returns -1 once all
- * have (every store a rank made before its count is then seen here), else the first rank not there yet. began: when
- * the caller's whole wait began (CLOCK_MONOTONIC seconds, as Python's time.monotonic()), of which this call may be
- * one look of many: how long it has waited so far, not this call, decides between spinning, yielding and napping. */
-int64_t kunlun_host_wait(const int64_t *counts, int64_t ranks, int64_t stride, int64_t arrived, double wait_s,
-                         double began) {
+/* Wait until counts[r * 8] >= arrived for every r < ranks (a count on each cache line), for at most wait_s seconds.
+ * Returns -1 once all have (every store a rank made before its count is then seen here), else the first rank not
+ * there yet. began: when the caller's whole wait began: how long it has waited so far, not this call, decides
+ * between spinning, yielding and napping. */
+static int64_t wait_counts(const int64_t *counts, int64_t ranks, int64_t arrived, double wait_s, double began) {
     const double start = seconds();
     for (int64_t looks = 0;; looks++) {
         int64_t missing = -1;
         for (int64_t r = 0; r < ranks && missing < 0; r++)
-            if (__atomic_load_n(counts + r * stride, __ATOMIC_ACQUIRE) < arrived) missing = r;
+            if (__atomic_load_n(counts + r * 8, __ATOMIC_ACQUIRE) < arrived) missing = r;
         if (missing < 0) return -1;
         if (looks % 64 != 63) {
             _mm_pause();
@@ -81,15 +80,21 @@ static int process_alive(int64_t pid) {
     return *state != 'Z' && *state != 'X';
 }
 
-/* Wait for every rank's count to reach arrived, looking at the waited-for rank's process every 20 ms: 0, or
- * 1 + r where rank r did not arrive within timeout_s, or 1 + ranks + r where rank r's process has ended. */
-static int wait_all(const int64_t *counts, int64_t ranks, int64_t arrived, const int64_t *pids, double timeout_s) {
-    const double began = seconds();
+/* Wait for the counts of `ranks` ranks (a cache line apart, from counts on) to reach arrived, looking at the
+ * waited-for rank's process (pids: theirs, in the same order) every 20 ms. began: when the whole wait began
+ * (CLOCK_MONOTONIC seconds, as Python's time.monotonic()). Returns 0 once all have; 1 + r where rank r did not
+ * arrive within timeout_s of began; 1 + ranks + r where rank r's process has ended; -1 when look_s has passed in
+ * this call with nothing decided (a Python caller looks again, handling its signals in between). */
+int64_t kunlun_host_await(const int64_t *counts, int64_t ranks, int64_t arrived, const int64_t *pids,
+                          double timeout_s, double began, double look_s) {
+    const double start = seconds();
     for (;;) {
-        const int64_t missing = kunlun_host_wait(counts, ranks, 8, arrived, 0.02, began);
+        const int64_t missing = wait_counts(counts, ranks, arrived, 0.02, began);
         if (missing < 0) return 0;
-        if (!process_alive(pids[missing])) return (int)(1 + ranks + missing);
-        if (seconds() - began >= timeout_s) return (int)(1 + missing);
+        if (!process_alive(pids[missing])) return 1 + ranks + missing;
+        const double now = seconds();
+        if (now - began >= timeout_s) return 1 + missing;
+        if (now - start >= look_s) return -1;
     }
 }
 
@@ -115,7 +120,7 @@ static inline uint16_t f32_to_bf16(float f) {
  * slots and rounded once (wide = 1), or rounded after each add as torch adds two bfloat16 tensors (wide = 0). Every
  * rank adds the slots up in rank order. The collective's number is this rank's count + 1, so that a step captured
  * and replayed (cpu_capture.py) needs no value from Python. Beside its count each rank says which collective it is
- * at (one word a set of slots); ranks at different ones fail. Returns 0, what wait_all says went wrong, or
+ * at (one word a set of slots); ranks at different ones fail. Returns 0, what kunlun_host_await says went wrong, or
  * 1 + 2 * ranks + r where rank r is at another collective.
  */
 int kunlun_host_all_reduce(int64_t *counts, int64_t rank, int64_t ranks, uint8_t *slots, int64_t slot_bytes,
@@ -140,7 +145,8 @@ int kunlun_host_all_reduce(int64_t *counts, int64_t rank, int64_t ranks, uint8_t
         const int64_t tag = ((int64_t)1 << 56) | (m * in_slot);
         __atomic_store_n(counts + rank * 8 + 1 + number % 2, tag, __ATOMIC_RELAXED);
         kunlun_host_arrive(counts + rank * 8, number);
-        const int status = wait_all(counts, ranks, number, pids, timeout_s);
+        const double began = seconds();
+        const int status = (int)kunlun_host_await(counts, ranks, number, pids, timeout_s, began, timeout_s);
         if (status) return status;
         for (int64_t r = 0; r < ranks; r++)
             if (__atomic_load_n(counts + r * 8 + 1 + number % 2, __ATOMIC_RELAXED) != tag)
