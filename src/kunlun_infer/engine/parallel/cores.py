@@ -81,11 +81,12 @@ def core_shares(cpus: Iterable[int], ranks: int, sysfs: Path = SYSFS) -> list[li
         if len({len(share) for share in shares}) == 1:  # whole nodes, where that gives every rank as many CPUs
             return shares
     node_of = {c: i for i, node in enumerate(nodes) for c in node}
-    ordered = sorted(allowed, key=lambda c: (node_of.get(c, len(nodes)), *_core_key(c, sysfs), c))
+    core_of = {c: (node_of.get(c, len(nodes)), *_core_key(c, sysfs)) for c in allowed}
+    ordered = sorted(allowed, key=lambda c: (core_of[c], c))
     # whole cores to each share: a core's hardware threads are next to each other in `ordered`
     cores: list[list[int]] = []
     for cpu in ordered:
-        key = (node_of.get(cpu, len(nodes)), *_core_key(cpu, sysfs))
+        key = core_of[cpu]
         if cores and cores[-1][0] == key:
             cores[-1][1].append(cpu)
         else:

@@ -25,7 +25,6 @@ import time
 import weakref
 from typing import Any
 
-
 log = logging.getLogger("kunlun_infer.framework")
 
 
