@@ -84,8 +84,8 @@ def main() -> None:
         share, shares = cores.rank_shares(threads, args.ranks)
         print(f"{machine.describe(facts)}; NUMA nodes {[cores.format_cpu_list(n) for n in cores.numa_nodes()]}")
         print(f"{args.shape} in {args.dtype}; 1 rank of {threads} threads against {args.ranks} {args.kind}-parallel "
-              f"ranks of {share} "
-              f"each, on CPUs {' | '.join(map(cores.format_cpu_list, shares)) if shares else '(not bound)'}; "
+              f"ranks of {share} each, on CPUs "
+              f"{' | '.join(map(cores.format_cpu_list, shares)) if shares else '(not bound)'}; "
               f"{args.requests} requests of {args.length} + {args.max_tokens} tokens; {args.turns} turns")
         turns: dict[int, list[dict]] = {1: [], args.ranks: []}
         for _ in range(args.turns):

@@ -283,6 +283,17 @@ class TensorParallelGroup:
             self._own_cpus = None
 
 
+def capture_on_every_rank(runner: ModelRunner, group: TensorParallelGroup, max_num_seqs: int) -> int:
+    """Rank 0's :meth:`ModelRunner.capture_step_graphs`: tell every rank (``Kind.CAPTURE``) to capture its
+    ``ops.step_graph_sizes`` steps and capture them here meanwhile, holding the group: the same sizes in the same
+    order, so that the ranks' all-reduces meet each other's (and no heartbeat's)."""
+    if runner.graphs is None or not runner.graphs.sizes:
+        return 0
+    with group.collective("capturing decode steps"):
+        group.plane.send_capture(max_num_seqs)
+        return ModelRunner.capture_step_graphs(runner, max_num_seqs)
+
+
 def _is_timeout(exc: BaseException) -> bool:
     text = f"{exc} {exc.__cause__ or ''}".lower()
     return "timed out" in text or "timeout" in text
@@ -302,13 +313,7 @@ class DriverRunner(ModelRunner):
             self.group.plane.send_kv(num_blocks)
 
     def capture_step_graphs(self, max_num_seqs: int) -> int:
-        """Tell every rank to capture its ``ops.step_graph_sizes`` steps and capture them here meanwhile: the
-        same sizes in the same order, so that their all-reduces meet each other's (and no heartbeat's)."""
-        if self.graphs is None or not self.graphs.sizes:
-            return 0
-        with self.group.collective("capturing decode steps"):
-            self.group.plane.send_capture(max_num_seqs)
-            return super().capture_step_graphs(max_num_seqs)
+        return capture_on_every_rank(self, self.group, max_num_seqs)
 
     def compute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Every rank runs the step; a plugin failure on any of them fails the step alone, the group serves on."""

@@ -27,7 +27,7 @@ from kunlun_infer.dtypes import dtype_name
 from kunlun_infer.engine.kv_cache import KVLayout
 from kunlun_infer.engine.model_runner import ModelRunner, StepInputs, StepResult
 from kunlun_infer.engine.parallel.control_plane import Kind, exchange_status, pack_step
-from kunlun_infer.engine.parallel.driver import TensorParallelGroup
+from kunlun_infer.engine.parallel.driver import TensorParallelGroup, capture_on_every_rank
 from kunlun_infer.engine.parallel.pipeline import PipelineLink, as_plugin_error, failure_detail
 from kunlun_infer.engine.parallel.stages import Grid
 from kunlun_infer.engine.scheduler import ScheduledBatch
@@ -174,12 +174,7 @@ class PipelineDriverRunner(ModelRunner):
             self.group.plane.send_kv(num_blocks)
 
     def capture_step_graphs(self, max_num_seqs: int) -> int:
-        """Tell every stage to capture its ``ops.step_graph_sizes`` steps, then capture the first stage's."""
-        if self.graphs is None or not self.graphs.sizes:
-            return 0
-        with self.group.collective("capturing decode steps"):
-            self.group.plane.send_capture(max_num_seqs)
-            return super().capture_step_graphs(max_num_seqs)
+        return capture_on_every_rank(self, self.group, max_num_seqs)  # the message goes down the chain
 
     @torch.inference_mode()
     def submit(self, batch: ScheduledBatch, co_samples: Mapping[int, list[Sequence]] | None = None) -> Pending:
