@@ -832,6 +832,11 @@ def run_child(argv: list[str], overrides: list[str], env: dict[str, str]) -> dic
         path.unlink(missing_ok=True)
 
 
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child is not None and args.b1_only:  # one batch-1 repeat of one dtype, for the interleaved pairs
@@ -861,6 +866,7 @@ def main(argv: list[str] | None = None) -> None:
         if cap == args.peers_isa:
             child["peers"] = combined["peers"] = measure_peers(args.model_dir / args.model, shape, args)
             child["paired_b1"] = paired_b1(args, shape, child["peers"], [*passthrough, "--child", cap], env)
+        write_results(args.out, {**combined, "unfinished": True})  # a run stopped later keeps what it measured
     if "int8" in args.dtypes and not args.no_accuracy:
         full = default_model_validation_loss([])
         int8 = default_model_validation_loss(["model.quantization=int8"])
@@ -873,8 +879,7 @@ def main(argv: list[str] | None = None) -> None:
         print()
     if "int8_accuracy" in combined:
         print(accuracy_report(combined["int8_accuracy"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(combined, indent=2) + "\n")
+    write_results(args.out, combined)
     print(f"\nwrote {args.out}")
 
 
