@@ -60,6 +60,22 @@ class Message:
     spec: dict[str, Any] | None = None
     max_num_seqs: int = 0
 
+    @classmethod
+    def decode(cls, numbers: list[int], payload: torch.Tensor | None, device: torch.device,
+               spec: dict[str, Any] | None = None) -> Message:
+        """The message a frame's header ``numbers`` (and a ``STEP``'s payload, a ``LOAD``'s spec) describe."""
+        kind = Kind(numbers[0])
+        if kind is Kind.STEP:
+            assert payload is not None, "a STEP message comes with its payload"
+            return cls(kind, inputs=unpack_step(numbers, payload, device))
+        if kind is Kind.KV:
+            return cls(kind, num_blocks=numbers[1])
+        if kind is Kind.CAPTURE:
+            return cls(kind, max_num_seqs=numbers[1])
+        if kind is Kind.LOAD:
+            return cls(kind, spec=spec)
+        return cls(kind)
+
 
 @dataclasses.dataclass(frozen=True)
 class RankStatus:
@@ -106,6 +122,35 @@ def unpack_step(header: list[int], payload: torch.Tensor, device: torch.device |
     return StepInputs(ids.to(device), positions.to(device), step, logits_indices.to(device), [])
 
 
+def frame(numbers: list[int], payload: torch.Tensor | None,
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fixed-size message that carries the header ``numbers`` (and ``payload`` when it fits inline), and
+    the payload that must travel after it (``None`` when inline or absent)."""
+    message = blank_frame(device)
+    message[:len(numbers)] = torch.tensor([int(n) for n in numbers], dtype=torch.int64).to(device)
+    if payload is not None and payload.numel() <= INLINE_CAPACITY:
+        message[HEADER_LEN:HEADER_LEN + payload.numel()] = payload
+        return message, None
+    return message, payload
+
+
+def blank_frame(device: torch.device) -> torch.Tensor:
+    """A buffer one message is received into."""
+    return torch.zeros(HEADER_LEN + INLINE_CAPACITY, dtype=torch.int64, device=device)
+
+
+def read_frame(message: torch.Tensor) -> tuple[list[int], torch.Tensor | None, int]:
+    """A received message's header numbers, its inline payload, and the size of the payload that follows it
+    (0 when none does)."""
+    numbers = message[:HEADER_LEN].tolist()
+    if Kind(numbers[0]) is not Kind.STEP:
+        return numbers, None, 0
+    size = payload_size(numbers)
+    if size <= INLINE_CAPACITY:
+        return numbers, message[HEADER_LEN:HEADER_LEN + size], 0
+    return numbers, None, size
+
+
 class ControlPlane:
     """Sends (rank 0) and receives (every other rank) control messages over ``comm``."""
 
@@ -114,14 +159,10 @@ class ControlPlane:
         self.device = device
 
     def _send(self, numbers: list[int], payload: torch.Tensor | None = None) -> None:
-        message = torch.zeros(HEADER_LEN + INLINE_CAPACITY, dtype=torch.int64, device=self.device)
-        message[:len(numbers)] = torch.tensor([int(n) for n in numbers], dtype=torch.int64).to(self.device)
-        inline = payload is not None and payload.numel() <= INLINE_CAPACITY
-        if inline:
-            message[HEADER_LEN:HEADER_LEN + payload.numel()] = payload
+        message, rest = frame(numbers, payload, self.device)
         self.comm.broadcast(message, 0)
-        if payload is not None and not inline:
-            self.comm.broadcast(payload.to(self.device), 0)
+        if rest is not None:
+            self.comm.broadcast(rest.to(self.device), 0)
 
     # ------------------------------------------------------------------ rank 0
 
@@ -149,24 +190,11 @@ class ControlPlane:
 
     def receive(self) -> Message:
         """Wait for rank 0's next message (a collective: bounded by the comm's timeout)."""
-        message = torch.zeros(HEADER_LEN + INLINE_CAPACITY, dtype=torch.int64, device=self.device)
-        message = self.comm.broadcast(message, 0)
-        numbers = message[:HEADER_LEN].tolist()
-        kind = Kind(numbers[0])
-        if kind is Kind.STEP:
-            size = payload_size(numbers)
-            if size <= INLINE_CAPACITY:
-                payload = message[HEADER_LEN:HEADER_LEN + size]
-            else:
-                payload = self.comm.broadcast(torch.empty(size, dtype=torch.int64, device=self.device), 0)
-            return Message(kind, inputs=unpack_step(numbers, payload, self.device))
-        if kind is Kind.KV:
-            return Message(kind, num_blocks=numbers[1])
-        if kind is Kind.CAPTURE:
-            return Message(kind, max_num_seqs=numbers[1])
-        if kind is Kind.LOAD:
-            return Message(kind, spec=self.comm.broadcast_object(None, 0))
-        return Message(kind)
+        numbers, payload, size = read_frame(self.comm.broadcast(blank_frame(self.device), 0))
+        if size:
+            payload = self.comm.broadcast(torch.empty(size, dtype=torch.int64, device=self.device), 0)
+        spec = self.comm.broadcast_object(None, 0) if Kind(numbers[0]) is Kind.LOAD else None
+        return Message.decode(numbers, payload, self.device, spec)
 
 
 def exchange_status(comm: Comm, device: torch.device, *, ok: bool, free_bytes: int,

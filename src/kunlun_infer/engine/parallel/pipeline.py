@@ -28,8 +28,7 @@ import torch
 
 from kunlun_infer.capabilities import Comm
 from kunlun_infer.engine.model_runner import StepInputs
-from kunlun_infer.engine.parallel.control_plane import (HEADER_LEN, INLINE_CAPACITY, Kind, Message, payload_size,
-                                                        unpack_step)
+from kunlun_infer.engine.parallel.control_plane import Message, blank_frame, frame, read_frame
 from kunlun_infer.engine.parallel.stages import Grid
 from kunlun_infer.errors import PluginError
 
@@ -100,40 +99,23 @@ class PipelineLink:
         return targets + ([self.next] if self.next is not None else [])
 
     def send_message(self, numbers: list[int], payload: torch.Tensor | None = None) -> None:
-        message = torch.zeros(HEADER_LEN + INLINE_CAPACITY, dtype=torch.int64, device=self.device)
-        message[:len(numbers)] = torch.tensor([int(n) for n in numbers], dtype=torch.int64).to(self.device)
-        inline = payload is not None and payload.numel() <= INLINE_CAPACITY
-        if inline:
-            message[HEADER_LEN:HEADER_LEN + payload.numel()] = payload
+        message, rest = frame(numbers, payload, self.device)
         for dst in self._targets():
             self.outbox.put(message, dst)
-            if payload is not None and not inline:
-                self.outbox.put(payload, dst)
+            if rest is not None:
+                self.outbox.put(rest, dst)
 
     def receive_message(self) -> Message:
         """The next control message from the rank before, forwarded to the next stage at once."""
-        message = self.comm.recv(torch.zeros(HEADER_LEN + INLINE_CAPACITY, dtype=torch.int64,
-                                             device=self.device), self.prev)
-        numbers = message[:HEADER_LEN].tolist()
-        kind = Kind(numbers[0])
-        payload = None
-        if kind is Kind.STEP:
-            size = payload_size(numbers)
-            if size <= INLINE_CAPACITY:
-                payload = message[HEADER_LEN:HEADER_LEN + size]
-            else:
-                payload = self.comm.recv(torch.empty(size, dtype=torch.int64, device=self.device), self.prev)
+        message = self.comm.recv(blank_frame(self.device), self.prev)
+        numbers, payload, size = read_frame(message)
+        if size:
+            payload = self.comm.recv(torch.empty(size, dtype=torch.int64, device=self.device), self.prev)
         if self.next is not None:
             self.outbox.put(message, self.next)
-            if payload is not None and payload.numel() > INLINE_CAPACITY:
+            if size:
                 self.outbox.put(payload, self.next)
-        if kind is Kind.STEP:
-            return Message(kind, inputs=unpack_step(numbers, payload, self.device))
-        if kind is Kind.KV:
-            return Message(kind, num_blocks=numbers[1])
-        if kind is Kind.CAPTURE:
-            return Message(kind, max_num_seqs=numbers[1])
-        return Message(kind)
+        return Message.decode(numbers, payload, self.device)
 
     # ------------------------------------------------------------------ step data
 
