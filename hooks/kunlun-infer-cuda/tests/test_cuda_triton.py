@@ -22,7 +22,7 @@ kernel tests run compiled on it too, in bfloat16 as well:
 - ``TorchCudaOps``: what ``ops.attention`` / ``ops.fused_kernels`` choose, their
   errors, ``capture`` off a GPU;
 - the engine on the Triton backend and fused kernels gives transformers'
-  greedy tokens, and its eager tokens when decode steps replay padded to
+  greedy tokens, eager and with its decode steps replayed padded to
   ``ops.step_graph_sizes`` (a capture stood in for by running it again);
 - a bad ``ops.attention`` is refused when the runtime is built, naming the key.
 """
@@ -485,25 +485,35 @@ class _Rerun(CapturedStep):
         return self.result
 
 
+def _transformers_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of the transformers model after ``prompt``, end-of-sequence or not."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
 def test_padded_decode_steps_replay_on_the_triton_backend(tiny_llama, monkeypatch):
-    """``ops.step_graph_sizes`` over the Triton backend: metadata updated in place, padding sequences appended."""
+    """``ops.step_graph_sizes`` over the Triton backend: metadata updated in place, padding sequences appended,
+    every decode step a replay, and the tokens transformers' (the engine's eager Triton steps give them too:
+    test_engine_on_triton_kernels_gives_transformers_tokens)."""
     from kunlun_infer import LLM, SamplingParams
 
-    folder, _ = tiny_llama
+    folder, model = tiny_llama
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 299, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 40, 3, 9)]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (2, 6, 10, 4, 8, 12, 5)]
-    base = [*TRITON_RUN, "model.max_model_len=256", "cache.block_size=16", "scheduler.max_num_seqs=8"]
-    results = {}
+    lengths = (2, 6, 10, 4, 8, 12, 5)  # the batch shrinks from 7 through every captured size
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     monkeypatch.setattr(TorchCudaOps, "capture", lambda self, fn: _Rerun(fn))
-    for name, extra in {"eager": ["ops.step_graphs=0"], "padded": ["ops.step_graph_sizes=[2,4,8]"]}.items():
-        with LLM(model=str(folder), overrides=[*base, *extra]) as llm:
-            results[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            graphs = llm.engine.runner.graphs
-            if name == "padded":
-                assert graphs.batch_sizes == [2, 4, 8] and graphs.refused == {}
-                assert graphs.replays == 11  # every decode step: the three sizes were captured at the start
-    assert results["padded"] == results["eager"]
+    overrides = [*TRITON_RUN, "model.max_model_len=256", "cache.block_size=16", "scheduler.max_num_seqs=8",
+                 "ops.step_graph_sizes=[2,4,8]"]
+    with LLM(model=str(folder), overrides=overrides) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        graphs = llm.engine.runner.graphs
+        assert graphs.batch_sizes == [2, 4, 8] and graphs.refused == {}
+        assert graphs.replays == 11  # every decode step: the three sizes were captured at the start
+    assert got == [_transformers_greedy(model, p, n) for p, n in zip(prompts, lengths)]
 
 
 def test_a_bad_attention_choice_is_refused_naming_the_key():
