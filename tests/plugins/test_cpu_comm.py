@@ -203,6 +203,62 @@ def test_gloo_ranks_on_one_host_meet_in_shared_memory_with_gloos_results(world):
 
 
 @needs_native
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_on_one_host_goes_through_shared_memory_in_rounds_and_a_wrong_split_is_named(world, monkeypatch):
+    from kunlun_infer.plugins import host_collectives
+    from kunlun_infer.plugins.process_group import ProcessGroupComm
+
+    def not_gloo(self, *args):
+        raise AssertionError("an all-to-all between ranks of one host went through gloo's sockets")
+
+    monkeypatch.setattr(ProcessGroupComm, "all_to_all", not_gloo)
+    monkeypatch.setattr(host_collectives, "SLOT_BYTES", 4096)  # a few KiB a destination: rows go in rounds
+
+    def rows(src, dst, many, width, dtype):
+        n = (src + dst) % 3 * many  # some pairs send nothing
+        return (torch.arange(n * width, dtype=torch.float64).view(n, width) + 1000 * src + 100 * dst).to(dtype)
+
+    cases = {"rounds": (150, 10, torch.float32), "bf16": (7, 5, torch.bfloat16), "one-row": (1, 1, torch.int64)}
+
+    def body(comm):
+        me, out = comm.rank, {}
+        for name, (many, width, dtype) in cases.items():
+            send = torch.cat([rows(me, j, many, width, dtype) for j in range(world)])
+            out[name] = comm.all_to_all(send.squeeze(1) if width == 1 else send,
+                                        [(me + j) % 3 * many for j in range(world)],
+                                        [(i + me) % 3 * many for i in range(world)])
+        nothing = torch.empty(0, 4)  # a rank that sends nothing at all, and receives nothing
+        splits = [0] * world if me == 0 else [0] + [1] * (world - 1)
+        out["empty"] = comm.all_to_all(nothing if me == 0 else torch.full((world - 1, 4), float(me)), splits, splits)
+        wrong = [(i + me) % 3 for i in range(world)]
+        if me == 1:
+            wrong[0] += 1  # expects a row rank 0 does not send
+        try:
+            comm.all_to_all(torch.cat([rows(me, j, 1, 2, torch.float32) for j in range(world)]),
+                            [(me + j) % 3 for j in range(world)], wrong)
+            out["error"] = None
+        except ValueError as exc:
+            out["error"] = str(exc)
+        out["after"] = comm.all_reduce(torch.ones(2))  # every rank took the same rounds: still in step
+        return out
+
+    results = _ranks_on_threads(world, body)
+    for me, r in enumerate(results):
+        for name, (many, width, dtype) in cases.items():
+            want = torch.cat([rows(i, me, many, width, dtype) for i in range(world)])
+            assert torch.equal(r[name], want.squeeze(1) if width == 1 else want), (name, me)
+        others = torch.arange(1, world, dtype=torch.float32)[:, None].expand(world - 1, 4)
+        assert torch.equal(r["empty"], torch.empty(0, 4) if me == 0 else others)
+        if me == 1:
+            sent = [(i + 1) % 3 for i in range(world)]
+            assert r["error"] == (f"all_to_all: rank 1 expected {[sent[0] + 1, *sent[1:]]} rows, the ranks send "
+                                  f"{sent}")
+        else:
+            assert r["error"] is None
+        assert torch.equal(r["after"], torch.full((2,), float(world)))
+
+
+@needs_native
 def test_gloo_keeps_to_sockets_where_the_ranks_are_on_different_hosts_or_no_segment_can_be_made(monkeypatch,
                                                                                                 tmp_path):
     import errno

@@ -7,10 +7,10 @@ Low-precision all-reduce is carried out in ``accumulate_dtype`` (float32 by
 default) and cast back, so partial sums of bf16/fp16 shards do not lose bits.
 The collectives themselves are :class:`~kunlun_infer.plugins.process_group.ProcessGroupComm`'s,
 the base every torch.distributed-backed comm plugin shares, except where every
-rank of a group is on one host: there its all-reduces, gathers, broadcasts and
-barriers (objects' broadcasts too) and its point-to-point messages go
-through a shared-memory segment (:mod:`~kunlun_infer.plugins.host_collectives`),
-and all-to-all through gloo.
+rank of a group is on one host: there its all-reduces, gathers, broadcasts,
+all-to-alls and barriers (objects' broadcasts too) and its point-to-point
+messages go through a shared-memory segment
+(:mod:`~kunlun_infer.plugins.host_collectives`).
 """
 
 from __future__ import annotations
@@ -127,6 +127,11 @@ class GlooComm(ProcessGroupComm):
         if self.host is None:
             return super().broadcast(tensor, src)
         return self.host.broadcast(tensor, src)
+
+    def all_to_all(self, tensor: torch.Tensor, send_splits: Any, recv_splits: Any) -> torch.Tensor:
+        if self.host is None or not self.host.native_all_to_all:
+            return super().all_to_all(tensor, send_splits, recv_splits)
+        return self.host.all_to_all(tensor, send_splits, recv_splits)
 
     def barrier(self) -> None:
         if self.host is None:

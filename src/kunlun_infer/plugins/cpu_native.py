@@ -131,6 +131,7 @@ SIGNATURES = {
     "kunlun_host_arrive": ([_P, _I64], None),
     "kunlun_host_await": ([_P, _I64, _I64, _P, ctypes.c_double, ctypes.c_double, ctypes.c_double], _I64),
     "kunlun_host_all_reduce": ([_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, ctypes.c_float], ctypes.c_int),
+    "kunlun_host_all_to_all": ([_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, ctypes.c_float, _P], ctypes.c_int),
 }
 
 

@@ -23,7 +23,11 @@ segment, one for each ordered pair of ranks: a ring of :data:`P2P_SLOTS` slots w
 sender has put in and the pieces the receiver has taken out. A sender waits only while the ring is full, a
 receiver until the next piece is in; each slot says how many bytes its piece and its whole message hold, so a
 ``recv`` whose tensor does not match the ``send`` fails naming both sizes. Every channel of a group shares
-:data:`P2P_BYTES`, so a group of many ranks gets smaller pieces, not a larger segment. All-to-all stays on gloo.
+:data:`P2P_BYTES`, so a group of many ranks gets smaller pieces, not a larger segment.
+
+An all-to-all (expert parallelism's dispatch and combine) is a collective on the same slots, one native call: each
+rank's slot says how many bytes it sends each rank, and holds a region per destination; what does not fit goes in
+more rounds.
 
 A wait looks at the clock and at the waited-for rank's process every few milliseconds: a rank whose process has
 ended makes the collective or message fail at once, one that does not arrive within ``comm.timeout_s`` makes it
@@ -61,8 +65,8 @@ _NATIVE_REDUCTIONS = {(torch.float32, torch.float32): (0, 0), (torch.bfloat16, t
 _NOT_AT_COLLECTIVE = "did not arrive at a shared-memory collective"
 #: what a rank says it is at, beside its count (a collective's kind, its root, its bytes): ranks that meet at
 #: different collectives (a bug that crossed them) fail naming both, rather than read each other's slots
-_KINDS = {1: "an all-reduce", 2: "an all-gather", 3: "a broadcast", 4: "a barrier"}
-_ALL_REDUCE, _ALL_GATHER, _BROADCAST, _BARRIER = _KINDS
+_KINDS = {1: "an all-reduce", 2: "an all-gather", 3: "a broadcast", 4: "a barrier", 5: "an all-to-all"}
+_ALL_REDUCE, _ALL_GATHER, _BROADCAST, _BARRIER, _ALL_TO_ALL = _KINDS
 
 
 def _tag(kind: int, nbytes: int = 0, src: int = 0) -> int:
@@ -72,8 +76,8 @@ def _tag(kind: int, nbytes: int = 0, src: int = 0) -> int:
 def _describe(tag: int) -> str:
     kind, src, nbytes = tag >> 56, tag >> 40 & 0xFFFF, tag & (1 << 40) - 1
     what = _KINDS.get(kind, f"collective kind {kind}")
-    return what + (f" from rank {src}" if kind == _BROADCAST else "") + (f" of {nbytes} bytes" if kind != _BARRIER
-                                                                         else "")
+    size = {_BARRIER: "", _ALL_TO_ALL: f" of rows of {nbytes} bytes"}.get(kind, f" of {nbytes} bytes")
+    return what + (f" from rank {src}" if kind == _BROADCAST else "") + size
 #: where the segment is made (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
 _LINE = 64
@@ -177,8 +181,9 @@ class HostSegment:
         self._arrived = ctypes.c_int64.from_address(self._counts + rank * _LINE)
         #: each rank's process, which the native waits look at
         self._pids = (ctypes.c_int64 * world_size)(*pids)
-        #: the native all-reduce (``native/host_collectives.c``) where the library has it
+        #: the native all-reduce and all-to-all (``native/host_collectives.c``) where the library has them
         self.native_all_reduce = hasattr(lib, "kunlun_host_all_reduce")
+        self.native_all_to_all = hasattr(lib, "kunlun_host_all_to_all")
         self._piece = p2p_piece_bytes(world_size)
         self._p2p = _p2p_start(world_size)
         #: pieces this rank has put into its channel to each rank, and taken out of each rank's channel to it
@@ -340,6 +345,34 @@ class HostSegment:
         if work is not tensor and self.rank != src:
             tensor.copy_(work)
         return tensor
+
+    def all_to_all(self, tensor: torch.Tensor, send_splits: Any, recv_splits: Any) -> torch.Tensor:
+        """Rows (dim 0) of ``tensor`` to the ranks, ``send_splits[j]`` of them to rank ``j`` in order; the rows
+        received, ``recv_splits[i]`` from rank ``i``, rank 0's first: one native call
+        (``kunlun_host_all_to_all``), in rounds where the rows do not fit a slot. A rank whose ``recv_splits``
+        differ from what the others send fails naming both, once every rank has taken the same rounds (so
+        the ranks stay in step)."""
+        world, me = self.world_size, self.rank
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        row_bytes = work.shape[1:].numel() * work.element_size()
+        send_splits, recv_splits = [int(n) for n in send_splits], [int(n) for n in recv_splits]
+        if len(send_splits) != world or len(recv_splits) != world or sum(send_splits) != work.shape[0]:
+            raise ValueError(f"all_to_all: rank {me} has {work.shape[0]} rows and send_splits {send_splits}, "
+                             f"recv_splits {recv_splits}: one split per rank ({world}), the sends adding up to the "
+                             "rows")
+        out = work.new_empty((sum(recv_splits), *work.shape[1:]))
+        sends = (ctypes.c_int64 * world)(*(n * row_bytes for n in send_splits))
+        expected = (ctypes.c_int64 * world)(*(n * row_bytes for n in recv_splits))
+        sent = (ctypes.c_int64 * world)()
+        status = self._lib.kunlun_host_all_to_all(
+            self._counts, me, world, self._counts + self._slots, SLOT_BYTES, work.data_ptr(), sends,
+            out.data_ptr(), expected, row_bytes, ctypes.addressof(self._pids), self._timeout_s, sent)
+        if status:
+            raise self._wait_failure(status, 0, world, self._arrived.value, _NOT_AT_COLLECTIVE)
+        if list(sent) != list(expected):
+            raise ValueError(f"all_to_all: rank {me} expected {recv_splits} rows, the ranks send "
+                             f"{[n // max(row_bytes, 1) for n in sent]}")
+        return out
 
     def barrier(self) -> None:
         self._meet(_tag(_BARRIER))

@@ -181,3 +181,62 @@ int kunlun_host_all_reduce(int64_t *counts, int64_t rank, int64_t ranks, uint8_t
     }
     return 0;
 }
+
+/*
+ * One all-to-all among the ranks of the segment (host_collectives.py's HostSegment.all_to_all): this rank sends
+ * send_bytes[j] bytes to each rank j (from `send`, rank 0's bytes first) and receives recv_bytes[i] from each rank i
+ * (into `recv`, rank 0's first). Each rank's slot holds a header, the bytes it sends each rank and the rounds it
+ * needs, then one region a destination; what does not fit a region goes in later rounds, a collective each, as
+ * many as the rank needing most says in the first. sent[i]: the bytes rank i says it sends here (the caller fails
+ * where they are not recv_bytes[i]; the smaller is copied, and every rank takes the same rounds, so the ranks stay
+ * in step). Tagged as host_collectives.py tags an all-to-all: kind 5, the bytes of a row, which every rank must
+ * agree on. Returns 0, what kunlun_host_await says went wrong, or 1 + 2 * ranks + r where rank r is at another
+ * collective.
+ */
+int kunlun_host_all_to_all(int64_t *counts, int64_t rank, int64_t ranks, uint8_t *slots, int64_t slot_bytes,
+                           const uint8_t *send, const int64_t *send_bytes, uint8_t *recv, const int64_t *recv_bytes,
+                           int64_t row_bytes, const int64_t *pids, float timeout_s, int64_t *sent) {
+    const int64_t header = 8 * (ranks + 1), region = (slot_bytes - header) / ranks / 64 * 64;
+    const int64_t tag = ((int64_t)5 << 56) | row_bytes;
+    int64_t needs = 1;
+    for (int64_t j = 0; j < ranks; j++) {
+        const int64_t most = send_bytes[j] > recv_bytes[j] ? send_bytes[j] : recv_bytes[j];
+        if ((most + region - 1) / region > needs) needs = (most + region - 1) / region;
+    }
+    int64_t rounds = needs;
+    for (int64_t round = 0; round < rounds; round++) {
+        const int64_t number = __atomic_load_n(counts + rank * 8, __ATOMIC_RELAXED) + 1;
+        uint8_t *set = slots + (number % 2) * ranks * slot_bytes;
+        uint8_t *mine = set + rank * slot_bytes;
+        int64_t *head = (int64_t *)mine, start = 0;
+        for (int64_t j = 0; j < ranks; j++) {
+            head[j] = send_bytes[j];
+            const int64_t begin = round * region < send_bytes[j] ? round * region : send_bytes[j];
+            const int64_t end = begin + region < send_bytes[j] ? begin + region : send_bytes[j];
+            memcpy(mine + header + j * region, send + start + begin, (size_t)(end - begin));
+            start += send_bytes[j];
+        }
+        head[ranks] = needs;
+        __atomic_store_n(counts + rank * 8 + 1 + number % 2, tag, __ATOMIC_RELAXED);
+        kunlun_host_arrive(counts + rank * 8, number);
+        const int status = (int)kunlun_host_await(counts, ranks, number, pids, timeout_s, seconds(), timeout_s);
+        if (status) return status;
+        for (int64_t r = 0; r < ranks; r++)
+            if (__atomic_load_n(counts + r * 8 + 1 + number % 2, __ATOMIC_RELAXED) != tag)
+                return (int)(1 + 2 * ranks + r);
+        int64_t into = 0;
+        for (int64_t i = 0; i < ranks; i++) {
+            const int64_t *theirs = (const int64_t *)(set + i * slot_bytes);
+            if (round == 0) {
+                sent[i] = theirs[rank];
+                if (theirs[ranks] > rounds) rounds = theirs[ranks];
+            }
+            const int64_t both = sent[i] < recv_bytes[i] ? sent[i] : recv_bytes[i];
+            const int64_t begin = round * region < both ? round * region : both;
+            const int64_t end = begin + region < both ? begin + region : both;
+            memcpy(recv + into + begin, set + i * slot_bytes + header + rank * region, (size_t)(end - begin));
+            into += recv_bytes[i];
+        }
+    }
+    return 0;
+}
