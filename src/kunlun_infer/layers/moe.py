@@ -14,9 +14,11 @@ once after loading, ``fused_moe`` runs the chosen experts and combines them.
   partial outputs are summed by an all-reduce. With ``expert_size`` equal to
   the tensor-parallel size each rank holds whole experts (``E / ranks`` of
   them); a rank takes its share of the tokens, sends each (token, expert)
-  pair to the rank owning the expert (``Comm.all_to_all``), the owner runs
-  its experts, the results come back the same way, are combined by the
-  routing weights, and the ranks' token shares are gathered again.
+  pair to the rank owning the expert (``Comm.all_to_all``: first how many
+  pairs for each of the owner's experts, then the pairs' rows, sorted by
+  expert), the owner runs its experts, the results come back the same way,
+  are combined by the routing weights, and the ranks' token shares are
+  gathered again: three all-to-alls a layer.
 - :class:`SparseMoeBlock` — router, experts, and optional shared experts
   every token also goes through.
 """
@@ -149,12 +151,14 @@ class FusedExperts(nn.Module):
         order = torch.argsort(flat_ids, stable=True)  # by expert: each owner's pairs are contiguous
         expert_of = flat_ids.index_select(0, order)
         token_of = order // ids.shape[1]
-        owner = expert_of // self.local_experts
-        send = torch.bincount(owner, minlength=ranks).tolist()
-        recv = comm.all_to_all(torch.tensor(send, dtype=torch.int64, device=x.device), [1] * ranks,
-                               [1] * ranks).tolist()
+        local = self.local_experts
+        # the pairs this rank sends each owner, per the owner's expert; what every rank sends this one, alike: the
+        # pairs come sorted by expert, so those counts alone say which expert each received pair is for
+        per_expert = torch.bincount(expert_of, minlength=ranks * local).view(ranks, local)
+        counts = comm.all_to_all(per_expert, [1] * ranks, [1] * ranks)
+        send, recv = per_expert.sum(dim=1).tolist(), counts.sum(dim=1).tolist()
         received = comm.all_to_all(rows.index_select(0, token_of), send, recv)
-        local_ids = comm.all_to_all(expert_of - owner * self.local_experts, send, recv)
+        local_ids = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ranks), counts.reshape(-1))
         ones = torch.ones(received.shape[0], 1, dtype=torch.float32, device=x.device)
         results = ctx.ops.fused_moe(received, self.packed_weight, ones, local_ids.view(-1, 1))
         returned = comm.all_to_all(results, recv, send)
