@@ -1,8 +1,8 @@
 """The ``gloo`` comm's all-to-all between ranks of one host: its shared-memory segment against gloo's sockets.
 
 Expert parallelism (``parallel.expert_size``) moves each MoE layer's tokens to the ranks owning their experts
-and the results back: four all-to-alls a layer (the counts, the rows, the experts' ids, the results). Two ranks
-(processes) of this host each open two comms: one as the engine opens it (every rank on one host: the
+and the results back: three all-to-alls a layer (the pairs' counts per expert, the rows, the results). Two
+ranks (processes) of this host each open two comms: one as the engine opens it (every rank on one host: the
 collectives go through ``plugins/host_collectives.py``'s segment) and one that keeps to gloo's sockets (told
 the ranks are on different hosts). Each case sends a dispatch's rows: ``tokens x top-k`` rows of ``--hidden``
 values in ``--dtype``, split evenly between the ranks; both ways run it in turns, ``--turns`` times, the median
