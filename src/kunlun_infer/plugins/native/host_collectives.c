@@ -113,6 +113,21 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* Arrive at collective `number` saying which one it is (`tag`, one word a set of slots beside this rank's count),
+ * wait for every rank, and check that each is at the same one. Returns 0, what kunlun_host_await says went wrong,
+ * or 1 + 2 * ranks + r where rank r is at another collective. Shared by the native collectives. */
+static int meet(int64_t *counts, int64_t rank, int64_t ranks, int64_t number, int64_t tag, const int64_t *pids,
+                float timeout_s) {
+    __atomic_store_n(counts + rank * 8 + 1 + number % 2, tag, __ATOMIC_RELAXED);
+    kunlun_host_arrive(counts + rank * 8, number);
+    const int status = (int)kunlun_host_await(counts, ranks, number, pids, timeout_s, seconds(), timeout_s);
+    if (status) return status;
+    for (int64_t r = 0; r < ranks; r++)
+        if (__atomic_load_n(counts + r * 8 + 1 + number % 2, __ATOMIC_RELAXED) != tag)
+            return (int)(1 + 2 * ranks + r);
+    return 0;
+}
+
 /*
  * One all-reduce of the n values at data among the ranks of the segment, as host_collectives.py's own all_reduce
  * makes it, to the bit: counts (a count on a cache line a rank), slots (two sets of `ranks` slots of slot_bytes),
@@ -142,15 +157,8 @@ int kunlun_host_all_reduce(int64_t *counts, int64_t rank, int64_t ranks, uint8_t
             memcpy(mine, (uint16_t *)data + start, (size_t)m * 2);
         }
         /* which collective this is, as host_collectives.py tags an all-reduce: kind 1, its piece's bytes */
-        const int64_t tag = ((int64_t)1 << 56) | (m * in_slot);
-        __atomic_store_n(counts + rank * 8 + 1 + number % 2, tag, __ATOMIC_RELAXED);
-        kunlun_host_arrive(counts + rank * 8, number);
-        const double began = seconds();
-        const int status = (int)kunlun_host_await(counts, ranks, number, pids, timeout_s, began, timeout_s);
+        const int status = meet(counts, rank, ranks, number, ((int64_t)1 << 56) | (m * in_slot), pids, timeout_s);
         if (status) return status;
-        for (int64_t r = 0; r < ranks; r++)
-            if (__atomic_load_n(counts + r * 8 + 1 + number % 2, __ATOMIC_RELAXED) != tag)
-                return (int)(1 + 2 * ranks + r);
         if (dtype == 0 || wide) {
             const float *first = (const float *)set;
             float total[256];
@@ -217,13 +225,8 @@ int kunlun_host_all_to_all(int64_t *counts, int64_t rank, int64_t ranks, uint8_t
             start += send_bytes[j];
         }
         head[ranks] = needs;
-        __atomic_store_n(counts + rank * 8 + 1 + number % 2, tag, __ATOMIC_RELAXED);
-        kunlun_host_arrive(counts + rank * 8, number);
-        const int status = (int)kunlun_host_await(counts, ranks, number, pids, timeout_s, seconds(), timeout_s);
+        const int status = meet(counts, rank, ranks, number, tag, pids, timeout_s);
         if (status) return status;
-        for (int64_t r = 0; r < ranks; r++)
-            if (__atomic_load_n(counts + r * 8 + 1 + number % 2, __ATOMIC_RELAXED) != tag)
-                return (int)(1 + 2 * ranks + r);
         int64_t into = 0;
         for (int64_t i = 0; i < ranks; i++) {
             const int64_t *theirs = (const int64_t *)(set + i * slot_bytes);
