@@ -9,6 +9,7 @@ it finds a pip-installed plugin.
 from __future__ import annotations
 
 import itertools
+import os
 import textwrap
 from pathlib import Path
 
@@ -19,6 +20,23 @@ pytest_plugins = ["pytester"]
 _PLUGIN_ENV = ("KUNLUN_INFER_PLUGINS", "KUNLUN_INFER_DISABLE_PLUGINS", "KUNLUN_INFER_STRICT_PLUGINS",
                "KUNLUN_INFER_CONFORMANCE", "KUNLUN_INFER_CONFORMANCE_REGISTER")
 _counter = itertools.count()
+
+#: at most this many test worker processes (pytest-xdist, ``-n auto`` in pyproject.toml): each runs torch on up to
+#: two threads, and some tests start ranks or replicas of their own
+MAX_WORKERS = 4
+#: tests that start engine ranks, stages, replicas or servers as processes of their own: the longest files, so they
+#: are handed out first and the workers (each takes whole files, ``--dist loadfile``) finish at about the same time
+ENGINE_PROCESSES = ("tests/parallel/", "tests/fleet/", "tests/hardening/", "tests/tools/test_doctor.py",
+                    "hooks/kunlun-infer-kunlun/tests/test_kunlun_engine.py")
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 0 if cpus < 2 else min(cpus, MAX_WORKERS)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(ENGINE_PROCESSES))  # stable: files stay in order
 
 
 @pytest.fixture(scope="session")
