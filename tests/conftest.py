@@ -24,7 +24,7 @@ _counter = itertools.count()
 #: at most this many test worker processes (pytest-xdist, ``-n auto`` in pyproject.toml): each runs torch on up to
 #: two threads, and some tests start ranks or replicas of their own
 MAX_WORKERS = 4
-#: tests that start engine ranks, stages, replicas or servers as processes of their own: the longest files, so they
+#: tests that start engine ranks, stages or replicas as processes of their own: the longest files, so they
 #: are handed out first and the workers (each takes whole files, ``--dist loadfile``) finish at about the same time
 ENGINE_PROCESSES = ("tests/parallel/", "tests/fleet/", "tests/hardening/", "tests/tools/test_doctor.py",
                     "hooks/kunlun-infer-kunlun/tests/test_kunlun_engine.py")
