@@ -9,7 +9,6 @@ it finds a pip-installed plugin.
 from __future__ import annotations
 
 import itertools
-import os
 import textwrap
 from pathlib import Path
 
@@ -31,7 +30,9 @@ ENGINE_PROCESSES = ("tests/parallel/", "tests/fleet/", "tests/hardening/", "test
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from kunlun_infer.plugins.cpu_native import _cores  # the cores the engine's kernels count as theirs
+
+    cpus = _cores()
     return 0 if cpus < 2 else min(cpus, MAX_WORKERS)
 
 
