@@ -230,11 +230,11 @@ DECODE_SHAPES = [(8, 256, prompt_attention.HEADS), (8, 1024, prompt_attention.HE
 
 
 def decode_attention_work(lib: ctypes.CDLL, dtype: torch.dtype, batch: int, ctx: int, heads: tuple[int, int],
-                          ordered: bool = False, warm: bool = False):
+                          ordered: bool = False, warm: bool = False, head_size: int = prompt_attention.HEAD_SIZE):
     """One decode step's attention over every layer's own paged cache (as cold as a step finds it), its blocks
     scattered or (``ordered``) each sequence's one after another; ``warm``: every layer over one cache, which stays in
     the CPU's caches where it fits (the kernel's work without the wait for memory)."""
-    (hq, hk), d, block_size = heads, prompt_attention.HEAD_SIZE, prompt_attention.BLOCK_SIZE
+    (hq, hk), d, block_size = heads, head_size, prompt_attention.BLOCK_SIZE
     layers = perf_cpu.SHAPES["0.5b"].layers
     per_seq = -(-ctx // block_size)
     g = torch.Generator().manual_seed(batch * 31 + ctx)
@@ -276,6 +276,8 @@ def main() -> None:
                         help="decode-attention: every layer over one cache, warm in the CPU's caches")
     parser.add_argument("--heads", type=heads_option,
                         help="decode-attention: QUERY/KV heads for the 0.5B model's cases (14/2)")
+    parser.add_argument("--head-size", type=int, default=prompt_attention.HEAD_SIZE,
+                        help=f"decode-attention: every case's head size ({prompt_attention.HEAD_SIZE})")
     parser.add_argument("--turns", type=int, default=9, help="calls of each build per case, in turns (medians)")
     parser.add_argument("--chunk-rows", type=chunk_rows_option, default="first",
                         help="AVX2 GEMMs: from how many rows tiles go in chunks: first (measured on the first build, "
@@ -302,10 +304,10 @@ def main() -> None:
             shapes = DECODE_SHAPES
             if args.heads:
                 shapes = [(b, c, args.heads if h == prompt_attention.HEADS else h) for b, c, h in shapes]
-            cases = [(f"{batch} x {ctx}, heads {hq}/{hk}",
+            cases = [(f"{batch} x {ctx}, heads {hq}/{hk} of {args.head_size}",
                       lambda lib, b=batch, c=ctx, h=(hq, hk): decode_attention_work(lib, dtype, b, c, h,
                                                                                     args.blocks == "ordered",
-                                                                                    args.warm))
+                                                                                    args.warm, args.head_size))
                      for batch, ctx, (hq, hk) in shapes]
         results = []
         for label, make in cases:
@@ -331,6 +333,7 @@ def main() -> None:
         with open(args.json, "a") as f:
             f.write(json.dumps({"machine": facts, "work": args.work, "dtype": args.dtype, "blocks": args.blocks,
                                 "warm": args.warm, "heads": "/".join(map(str, args.heads)) if args.heads else None,
+                                "head_size": args.head_size,
                                 "builds": named, "chunk_rows": args.chunk_rows, "turns": args.turns,
                                 "results": results}) + "\n")
 
