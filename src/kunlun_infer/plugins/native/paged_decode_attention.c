@@ -876,7 +876,10 @@ static void tiles_head(const uint16_t *q, const uint16_t *k_cache, const uint16_
  * 6 1.10x, 8 0.97x) while each head's item read its rows apart from the others' (split_work); since a sequence's
  * heads run in turn, 8 x 1024 tokens: 4 query heads 0.97x, 6 0.89x, 7 0.79x, and 1 x 4096 at 6 0.84x (4 KV heads of
  * 64: 4 1.03x, 5 1.00x). More than 16 take a pass for each tile of lanes: at 8 x 1024, one KV head of 17, 32, 48 and
- * 71 query heads, 0.55-0.58x, 0.41x, 0.34x and 0.32x the time. */
+ * 71 query heads, 0.55-0.58x, 0.41x, 0.34x and 0.32x the time. Measured again once the vector kernel asked for
+ * the next item's rows and took its bf16 products in pairs (CPU_HISTORY.md, "the tiles' threshold, measured
+ * again"): 4 still loses or ties (32 / 8 heads of 128: 1.03-1.04x), 5 wins only with 2 or 4 KV heads in batches
+ * (1.10x on one sequence of 4096 tokens over 4 KV heads of 64, 0.91-1.06x over 40 / 8 of 128), 6 and more win. */
 #define TILES_MIN_GROUP 6
 
 /* 1 when decode attention of this dtype (bf16: 1), head size and heads (hq query heads over hk KV heads) runs on the
