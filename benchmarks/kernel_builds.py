@@ -36,7 +36,7 @@ Work:
   calls it (24 layers each with a cache of its own, in huge pages as the
   engine's, blocks scattered, or with ``--blocks ordered`` each sequence's
   blocks one after another, as a fresh engine's cache holds them), at ``DECODE_SHAPES``: the 0.5B model's heads
-  (14 query heads over 2 KV heads, or ``--heads``), and one sequence of a
+  (14 query heads over 2 KV heads of 64, or ``--heads`` and ``--head-size``), and one sequence of a
   model with a single KV head, split among the threads; ``--warm`` runs every
   layer over one cache, so that where it fits the CPU's caches the kernel's
   own work is timed without the wait for memory.
@@ -287,6 +287,8 @@ def main() -> None:
     named = dict(b.split("=", 1) for b in args.builds)
     if len(named) != len(args.builds):
         raise SystemExit("each build is NAME=SOURCE, with names all different")
+    if args.head_size < 1:
+        raise SystemExit(f"--head-size {args.head_size}: give the heads' size, e.g. 128")
     dtype = getattr(torch, args.dtype)
     if dtype is torch.int8 and args.work != "gemm":
         raise SystemExit("--dtype int8 is for --work gemm (attention reads bf16 or float32 caches)")
