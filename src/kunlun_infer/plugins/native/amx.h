@@ -118,6 +118,21 @@ static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
  * time); one block of more than 16 rows asks for it all (amx_share). */
 #define AMX_ASK_BLOCKS 5
 
+/* A block of one row tile (1-16 rows) that asks for nothing of the next tile (amx_share) asks, every other 2 KiB
+ * step (once per 4 KiB of weight), for the one line AMX_KICK_BYTES ahead: the hardware prefetchers alone had left a
+ * batch-1 step reading its weights at ~84% of the read probe. On the Xeon with AMX (the 0.5B model's
+ * layer GEMMs, 2 threads, 9-11 turns, in turns with the code before run twice, whose A/A control read 0.97-1.01; bit
+ * for bit the same): bf16 0.94-0.97x the time at 1-16 rows in three runs (the line 4, 8, 32 or 64 KiB ahead alike,
+ * but 4 KiB took 1.07x at 16 rows; a line every step 0.95-0.96x), int8 0.97-0.99x (once 1.11x at 16 rows, 0.97x and
+ * 0.99x in the other runs); 32 rows (which ask for the whole next tile) as before. STEP: the step's index, W: its
+ * weight. */
+#define AMX_KICK_BYTES 16384
+#define AMX_KICK(AHEAD, ROWS, STEP, W)                                                \
+    do {                                                                              \
+        if ((AHEAD) == NULL && (ROWS) <= 16 && ((STEP) & 1) == 0)                     \
+            _mm_prefetch((const char *)(W) + AMX_KICK_BYTES, _MM_HINT_T1);            \
+    } while (0)
+
 /* What block `blk` (`rows` rows) of a pass's `blocks` (`rows_bytes` of rows) asks for of the next weight tile (`next`,
  * `bytes` long; NULL after the last tile): its block_share (simd.h). The weight then streams in while the tiles
  * multiply, rather than while the first block of each tile waits on it. Nothing where the pass's rows and two tiles
@@ -129,7 +144,7 @@ static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
  * before. A bf16 prefill in the engine 1.05x the tokens a second at 256 and 1024 tokens.
  * A pass of one block of 17-32 rows (a decode step's, both its row tiles) asks for the whole next tile itself: 24-32
  * rows 0.90-0.93x the time in bf16, 0.88-0.90x in int8 (A/A 0.98-1.03); at 1-16 rows (one row tile) 1.03-1.04x in
- * bf16 against an A/A of 1.00-1.02, so those ask for nothing. */
+ * bf16 against an A/A of 1.00-1.02, so those ask for nothing of it (but see AMX_KICK). */
 static inline ahead_t amx_share(const void *next, int64_t bytes, int64_t rows_bytes, int64_t blocks, int64_t blk,
                                 int rows) {
     if (next == NULL || rows_bytes + 2 * bytes > kunlun_l2_bytes) return (ahead_t){NULL, 0};

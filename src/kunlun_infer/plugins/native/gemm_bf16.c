@@ -124,6 +124,7 @@ static inline __attribute__((always_inline)) void amx_block(const void *gemm, in
     int64_t credit = 0;
     for (int64_t q = k0; q < full; q += AMX_K) {
         ASK_SPREAD(ahead, lines, steps, credit);
+        AMX_KICK(ahead, rows, q / AMX_K, pt + q * TILE_N);
         AMX_STEP(_tile_dpbf16ps, x + q, ldx, pt + q * TILE_N, two);
     }
     if (full < end) { /* the ragged end of K: zero-padded copies of its rows and of its pairs of the weight */

@@ -364,6 +364,7 @@ static inline __attribute__((always_inline)) void amx_block_int8(const void *gem
     int64_t credit = 0;
     for (int64_t i = g0; i < full; i += 16) {
         ASK_SPREAD(ahead, lines, steps, credit);
+        AMX_KICK(ahead, rows, i / 16, w + i * NR * 4);
         AMX_STEP(_tile_dpbssd, q + i * 4, kp, w + i * NR * 4, two);
     }
     if (full < end) { /* the ragged end of the weight tile: a zero-padded copy (q is padded already) */
