@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -128,3 +129,21 @@ def test_ops_are_resolved_through_the_runtime(folder):
     model = load_model(folder, runtime=runtime, dtype=torch.float32)
     assert runtime.resolved == [*model.required_ops, "store_kv", "paged_attention"]
     assert model.attention.name == "reference"
+
+
+
+def test_what_loading_freed_goes_back_once_the_weights_are_in_place(folder, monkeypatch):
+    """The loader calls the runtime's ``memory.empty_cache`` after the weights are loaded (the checkpoint's copies
+    and the weights before packing are free by then), once; a runtime without ``memory`` loads as before."""
+    from kunlun_infer.models import loader
+
+    events = []
+    weights = loader.load_weights
+    monkeypatch.setattr(loader, "load_weights", lambda *a, **k: (weights(*a, **k), events.append("weights"))[0])
+    runtime = ReferenceRuntime()
+    runtime.memory = types.SimpleNamespace(empty_cache=lambda: events.append("empty_cache"))
+    load_model(folder, runtime=runtime, dtype=torch.float32)
+    assert events == ["weights", "empty_cache"]
+    events.clear()
+    load(folder)  # ReferenceRuntime has no memory
+    assert events == ["weights"]

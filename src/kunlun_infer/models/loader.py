@@ -229,6 +229,9 @@ def load_model(model_dir: str | Path, *, runtime: ModelRuntime, dtype: torch.dty
     except ValueError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: cannot split this model over {tp_size} ranks: {e}") from e
     load_weights(model, model_dir, index)
+    memory = getattr(runtime, "memory", None)
+    if memory is not None:  # what loading held and freed (checkpoint copies, weights before packing) goes back
+        memory.empty_cache()
     if tp_size > 1 or defer_failures:  # a failing kernel must not leave the other ranks waiting in a collective
         model.deferred_failures = DeferredFailures()
         if isinstance(ops, OpTable):

@@ -4,7 +4,8 @@ A :class:`~kunlun_infer.runtime.Runtime` is one; so is a stand-in that
 resolves ops its own way (``kunlun-infer doctor`` swaps one op at a time, tests
 run the plain-torch references). The runtime may also offer the ops plugin's
 attention backend (``attention_backend(spec)``), which the loader asks for
-when it is there.
+when it is there, and its memory allocator (``memory``), whose
+``empty_cache`` the loader calls once the weights are in place.
 """
 
 from __future__ import annotations
