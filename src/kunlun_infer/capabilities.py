@@ -128,7 +128,8 @@ class MemoryAllocator(abc.ABC):
         """Current statistics."""
 
     def empty_cache(self) -> None:
-        """Give cached, unused blocks back to the device."""
+        """Give cached, unused blocks back to the device. The loader calls it once a model's weights are in place
+        (what loading freed goes back before the engine measures a step's activations)."""
 
     def reset_peak(self) -> None:
         """Restart the ``peak`` high-water mark from the current ``allocated``."""

@@ -68,11 +68,9 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 
 #: ``mallopt`` parameters (glibc's ``malloc.h``)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-#: blocks up to this size come from the C library's heap, not from a mapping of their own: glibc's largest mmap
-#: threshold on 64-bit hosts (half its 64 MiB heap size)
-HOST_MMAP_THRESHOLD = 32 << 20
-#: freed memory the C library keeps at the top of its heap before it gives the rest back to the system
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+#: freed memory the C library keeps at the top of its heap, and asks the system for beyond a request, when it takes
+#: more
 HOST_KEEP_BYTES = 512 << 20
 
 
@@ -93,26 +91,31 @@ def keep_freed_host_memory() -> bool:
     not glibc (nothing changes there).
 
     By default glibc maps a block larger than its threshold (128 KiB, raised
-    as such blocks are freed) in pages of its own and unmaps it when freed,
-    and gives the top of its heap back to the system once more than twice
-    that threshold lies free there. A step's activations are freed at its end,
-    so the next step's found fresh pages and faulted each one in: a prefill of
-    32 prompts (4369 tokens in chunks of 2048) of the 0.5B model in bf16 took
-    ~500 000 page faults, ~15% of its time in the kernel zeroing and mapping
-    pages. Here blocks up to :data:`HOST_MMAP_THRESHOLD` come from the heap, and
-    up to :data:`HOST_KEEP_BYTES` of freed heap stays with the process: the
-    same prefill again takes a few faults. The setting is the process's; it
-    stays for as long as the process runs (:func:`release_freed_host_memory`
-    gives back what is free meanwhile).
+    as such blocks are freed, to 32 MiB at most) in pages of its own and
+    unmaps it when freed, and gives the top of its heap back to the system
+    once more than twice that threshold lies free there. A step's
+    activations are freed at its end, so the next step's found fresh pages
+    and faulted each one in: a prefill of 32 prompts (4369 tokens in steps of
+    2048) of the 0.5B model in bf16 took ~490 000 page faults, ~15% of its
+    time in the kernel zeroing and mapping pages. Here every block comes from
+    the heap (no mapping of its own), and up to :data:`HOST_KEEP_BYTES` of
+    freed heap stays with the process: the same prefill again takes a few
+    hundred faults. Blocks up to 32 MiB (glibc's largest mmap threshold)
+    from the heap and the larger ones mapped had left 2 processes of 62
+    mapping the 40 MiB gate-up outputs afresh every step, as before. A thread
+    that allocates from an arena of its own (the server's engine loop may)
+    grows it in heaps of 64 MiB, so blocks larger than that are still mapped
+    there each time (a float32 prefill's gate-up outputs at 2048 tokens). The
+    setting is the process's; it stays for as long as the process runs
+    (:func:`release_freed_host_memory` gives back what is free meanwhile).
     """
     libc = _glibc()
     if libc is None:
         return False
     kept = all(libc.mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, HOST_KEEP_BYTES), (_M_TOP_PAD, HOST_KEEP_BYTES)))
+        (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, HOST_KEEP_BYTES), (_M_TOP_PAD, HOST_KEEP_BYTES)))
     if kept:
-        log.debug("host allocator: blocks up to %d MiB from the heap, up to %d MiB of it kept free",
-                  HOST_MMAP_THRESHOLD >> 20, HOST_KEEP_BYTES >> 20)
+        log.debug("host allocator: every block from the heap, up to %d MiB of it kept free", HOST_KEEP_BYTES >> 20)
     return kept
 
 
