@@ -131,7 +131,6 @@ def test_ops_are_resolved_through_the_runtime(folder):
     assert model.attention.name == "reference"
 
 
-
 def test_what_loading_freed_goes_back_once_the_weights_are_in_place(folder, monkeypatch):
     """The loader calls the runtime's ``memory.empty_cache`` after the weights are loaded (the checkpoint's copies
     and the weights before packing are free by then), once; a runtime without ``memory`` loads as before."""

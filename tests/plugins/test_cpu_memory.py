@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import resource
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,10 +106,6 @@ print(json.dumps({"faults": faults, "kept": kept, "after_empty_cache": rss()}))
 
 
 def _steps(mode: str) -> dict:
-    import json
-    import subprocess
-    import sys
-
     done = subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)

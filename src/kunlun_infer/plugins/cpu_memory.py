@@ -69,8 +69,7 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 #: ``mallopt`` parameters (glibc's ``malloc.h``)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
-#: freed memory the C library keeps at the top of its heap, and asks the system for beyond a request, when it takes
-#: more
+#: freed heap the C library keeps rather than giving it back, and the room it adds beyond a request as the heap grows
 HOST_KEEP_BYTES = 512 << 20
 
 
@@ -96,7 +95,7 @@ def keep_freed_host_memory() -> bool:
     once more than twice that threshold lies free there. A step's
     activations are freed at its end, so the next step's found fresh pages
     and faulted each one in: a prefill of 32 prompts (4369 tokens in steps of
-    2048) of the 0.5B model in bf16 took ~490 000 page faults, ~15% of its
+    2048) of the 0.5B model in bf16 took ~440 000 page faults, ~15% of its
     time in the kernel zeroing and mapping pages. Here every block comes from
     the heap (no mapping of its own), and up to :data:`HOST_KEEP_BYTES` of
     freed heap stays with the process: the same prefill again takes a few
