@@ -38,6 +38,8 @@ import machine
 import perf_cpu
 
 PLUGINS = ("simple", "caching")
+#: the workload model: perf_cpu's shape of that name, built under --model-dir/<name> as perf_cpu.py builds it
+MODEL = "0.5b"
 
 
 def rss() -> int:
@@ -53,9 +55,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     """One process: open the engine with ``memory=<plugin>`` and measure one workload."""
     import kunlun_infer as ki
 
-    shape = perf_cpu.SHAPES["0.5b"]
-    folder = perf_cpu.build_model(shape, Path(args.model_dir) / "0.5b")
-    llm = perf_cpu.open_engine(folder, args.dtype, [f"memory={args.plugin}"])
+    shape = perf_cpu.SHAPES[MODEL]
+    llm = perf_cpu.open_engine(Path(args.model_dir) / MODEL, args.dtype, [f"memory={args.plugin}"])
     started = rss()
     if args.work == "prefill":
         requests = perf_cpu.make_requests(32, shape.vocab, args.seed)
@@ -78,11 +79,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16,float32,int8")
-    # the workload model is built under --model-dir/0.5b, where perf_cpu.py builds it
     parser.add_argument("--work", default="prefill,serve", help="comma-separated: prefill,serve")
     parser.add_argument("--requests", type=int, default=32, help="serve: how many of perf_cpu's requests")
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--model-dir", default="/tmp/perfmodel")
+    parser.add_argument("--model-dir", default="/tmp/perfmodel", help=f"the workload model is built in {MODEL}/ here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="JSON results file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -94,7 +94,7 @@ def main() -> None:
         return
     facts = machine.facts()
     print(machine.describe(facts))
-    perf_cpu.build_model(perf_cpu.SHAPES["0.5b"], Path(args.model_dir) / "0.5b")
+    perf_cpu.build_model(perf_cpu.SHAPES[MODEL], Path(args.model_dir) / MODEL)  # once, for every child
     results: dict[str, Any] = {"machine": facts, "requests": args.requests, "runs": {}}
     for dtype in args.dtypes.split(","):
         for work in args.work.split(","):
