@@ -325,3 +325,31 @@ def test_logprobs_are_the_raw_log_softmax_with_top_alternatives():
     assert out.logprobs[1] is None
     assert list(out.logprobs[2]) == [out.token_ids[2]]
     assert abs(out.logprobs[2][out.token_ids[2]] - expected[2, out.token_ids[2]].item()) < 1e-6
+
+
+def test_logit_bias_moves_its_rows_tokens_and_leaves_the_others_and_the_raw_logits_alone():
+    logits = torch.randn(3, 40, generator=seeded(5))
+    raw = logits.clone()
+    top = logits.argmax(-1).tolist()
+    banned, forced = top[0], (top[1] + 1) % 40
+    params = [SamplingParams(temperature=0, logit_bias={banned: -100}),
+              SamplingParams(temperature=0, logit_bias={forced: 100}, logprobs=2, logprobs_mode="processed"),
+              SamplingParams(temperature=0, logprobs=1)]
+    out = sampler()(logits, params, [None] * 3)
+    assert out.token_ids[0] == raw[0].topk(2).indices[1].item()  # the banned argmax gives way to the next best
+    assert out.token_ids[1] == forced
+    assert out.token_ids[2] == top[2]
+    assert torch.equal(logits, raw)  # the engine's logits are not modified
+    biased = raw[1].clone()
+    biased[forced] += 100
+    assert abs(out.logprobs[1][forced] - torch.log_softmax(biased, -1)[forced].item()) < 1e-5
+    assert abs(out.logprobs[2][top[2]] - torch.log_softmax(raw[2], -1)[top[2]].item()) < 1e-6
+
+
+def test_a_sampled_row_never_draws_a_token_biased_by_minus_100():
+    logits = torch.zeros(1, 4)
+    logits[0, 2] = 5.0  # the likeliest by far, banned
+    params = [SamplingParams(temperature=1.0, logit_bias={2: -100, 0: 2})]
+    draws = [sampler(seed)(logits, params, [None]).token_ids[0] for seed in range(200)]
+    assert 2 not in draws
+    assert draws.count(0) > draws.count(1) and draws.count(0) > draws.count(3)  # +2 makes token 0 ~7x as likely

@@ -18,6 +18,11 @@ from kunlun_infer.engine.params import SamplingParams, validate_prompt
     ({"logprobs": -1}, "logprobs", "[0, 20]"),
     ({"seed": -3}, "seed", "[0, "),
     ({"stop": [""]}, "stop", "non-empty"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {5: math.inf}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias", "integers >= 0"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias", "integers >= 0"),
+    ({"logit_bias": [5]}, "logit_bias", "token ids"),
 ])
 def test_bad_value_names_field_and_range(kwargs, field, hint):
     with pytest.raises(RequestError) as err:
@@ -29,6 +34,18 @@ def test_bad_value_names_field_and_range(kwargs, field, hint):
 
 def test_a_single_stop_string_is_accepted():
     assert SamplingParams(stop="END").stop == ("END",)
+
+
+def test_logit_bias_is_a_dict_of_ids_to_floats_and_empty_is_none():
+    assert SamplingParams(logit_bias={7: -100, 3: 2}).logit_bias == {7: -100.0, 3: 2.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary():
+    validate_prompt([1, 2], SamplingParams(max_tokens=4, logit_bias={99: 1}), vocab_size=100, max_model_len=64)
+    with pytest.raises(RequestError) as err:
+        validate_prompt([1, 2], SamplingParams(max_tokens=4, logit_bias={100: 1}), vocab_size=100, max_model_len=64)
+    assert err.value.field == "logit_bias" and "[0, 99]" in str(err.value) and "100" in str(err.value)
 
 
 @pytest.mark.parametrize("prompt, max_tokens, field", [

@@ -125,13 +125,22 @@ def test_sampled_tokens_keep_the_target_distribution():
         assert counts[p[0] == 0].sum() == 0  # never a token the filters removed
 
 
-def test_requests_that_cannot_be_checked_in_bulk_decode_one_token_at_a_time(tiny_model, make_llm):
+@pytest.mark.parametrize("reshaped", ["repetition_penalty", "logit_bias"])
+def test_requests_that_cannot_be_checked_in_bulk_decode_one_token_at_a_time(tiny_model, make_llm, reshaped):
     llm = make_llm(tiny_model("llama"), speculative__method="draft", speculative__draft_model=str(
         tiny_model("llama")))
-    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3)
     plain = make_llm(tiny_model("llama"))
-    assert run(llm, PROMPTS[:1], params) == run(plain, PROMPTS[:1], params)
+    if reshaped == "logit_bias":  # the token greedy decoding writes most, banned
+        tokens = run(plain, PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0))[0]
+        banned = max(set(tokens), key=tokens.count)
+        params = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={banned: -100})
+    else:
+        params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3)
+    expected = run(plain, PROMPTS[:1], params)
+    assert run(llm, PROMPTS[:1], params) == expected
     assert llm.engine.stats()["spec_verifications"] == 0
+    if reshaped == "logit_bias":
+        assert banned not in expected[0]
 
 
 def test_bad_speculative_settings_are_named(tiny_model, make_llm):

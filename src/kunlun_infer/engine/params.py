@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kunlun_infer.engine.structured_output import StructuredOutput
 from kunlun_infer.errors import RequestError
@@ -22,6 +22,8 @@ MAX_LOGPROBS = 20
 LOGPROBS_MODES = ("raw", "processed")
 #: temperatures below this sample greedily: dividing logits by them would overflow to infinities
 GREEDY_BELOW = 1e-5
+#: the largest magnitude of a ``logit_bias`` value (the OpenAI API's range)
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclasses.dataclass
@@ -48,7 +50,10 @@ class SamplingParams:
     negative; 1 = off), ``presence_penalty`` and ``frequency_penalty`` (as
     in the OpenAI API: subtracted once per token present in the output, and
     once per occurrence). ``min_p`` drops tokens less likely than ``min_p``
-    times the most likely one (0 = off). Until ``min_tokens`` tokens are
+    times the most likely one (0 = off). ``logit_bias`` maps token ids to
+    numbers in [-100, 100] added to those tokens' logits after the
+    penalties (as in the OpenAI API: -100 all but bans a token, 100 all but
+    forces it). Until ``min_tokens`` tokens are
     generated, EOS and ``stop_token_ids`` cannot be drawn and ``stop``
     strings end nothing (their text is kept). ``n`` draws that many samples
     of the prompt; they share its KV cache.
@@ -60,7 +65,7 @@ class SamplingParams:
     it does not combine with ``ignore_eos`` or ``min_tokens``).
     ``logprobs_mode``: ``"raw"`` (default) reports the model's distribution
     (``log_softmax`` of its logits); ``"processed"`` the one after penalties,
-    the ``min_tokens`` mask and the structured-output mask (before
+    ``logit_bias``, the ``min_tokens`` mask and the structured-output mask (before
     temperature and the top-k/top-p/min-p filters).
     """
 
@@ -82,11 +87,13 @@ class SamplingParams:
     min_tokens: int = 0
     structured: StructuredOutput | None = None
     logprobs_mode: str = "raw"
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.structured = StructuredOutput.coerce(self.structured)
         self.stop = _as_tuple("stop", self.stop, one=str)
         self.stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, one=int)
+        self.logit_bias = _as_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -149,6 +156,21 @@ def _as_tuple(field: str, value: object, *, one: type) -> tuple:
     return tuple(value)
 
 
+def _as_bias(value: object) -> dict[int, float] | None:
+    """``logit_bias`` as a dict of token ids to floats (``None`` when empty); anything else is refused."""
+    if value is None:
+        return None
+    allowed = f"token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+    if not isinstance(value, Mapping):
+        raise RequestError(f"logit_bias must map {allowed}, got {value!r}", field="logit_bias")
+    for token, bias in value.items():
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0 \
+                or not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias) \
+                or abs(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias must map {allowed}, got {token!r}: {bias!r}", field="logit_bias")
+    return {int(token): float(bias) for token, bias in value.items()} or None
+
+
 def _require_int(field: str, value: object, *, low: int, high: int | None = None, note: str = "") -> None:
     allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
@@ -187,3 +209,7 @@ def validate_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, *, 
     if bad_stop is not None:
         raise RequestError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {bad_stop}",
                            field="stop_token_ids")
+    bad_bias = next((t for t in params.logit_bias or () if t >= vocab_size), None)
+    if bad_bias is not None:
+        raise RequestError(f"logit_bias token ids must be in [0, {vocab_size - 1}], got {bad_bias}",
+                           field="logit_bias")

@@ -3,7 +3,8 @@
 First the logits are reshaped for the rows that ask: penalties over the tokens
 each sequence has seen (repetition: prompt and output; presence and frequency:
 output; ``engine/penalties.py``, each sequence's tokens tallied a step at a
-time), and EOS/stop tokens masked while a row is short of ``min_tokens``.
+time), each row's ``logit_bias`` added, and EOS/stop tokens masked while a row
+is short of ``min_tokens``.
 Greedy rows take the argmax. Sampled rows are divided by their temperature and
 filtered by top-k and top-p, only when a row asks for them: on a device the
 host waits for at no cost (``Streams.asynchronous`` false: the CPU), each such
@@ -23,9 +24,9 @@ rows share the engine's generator. Rows whose sequence carries a
 structured-output constraint are masked after the penalties (every such row in
 one call of the engine's logits processor), so only tokens their grammar
 allows can be drawn. Logprobs are those of the model's raw distribution
-(``log_softmax`` of the logits, before penalties, masks, temperature and
-filters), or with ``logprobs_mode="processed"`` of the penalized and masked
-logits (tokens a mask forbids are left out of the top alternatives).
+(``log_softmax`` of the logits, before penalties, biases, masks, temperature
+and filters), or with ``logprobs_mode="processed"`` of the penalized, biased and
+masked logits (tokens a mask forbids are left out of the top alternatives).
 """
 
 from __future__ import annotations
@@ -61,6 +62,20 @@ def mask_stop_tokens(logits: torch.Tensor, rows: list[int], stop_ids: list[froze
     col_index = [t for ids in stop_ids for t in ids]
     if row_index:
         logits[upload(row_index, logits.device), upload(col_index, logits.device)] = float("-inf")
+    return logits
+
+
+def add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` (in place) with each row's ``logit_bias`` added to its tokens' logits, in one scatter."""
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    device = logits.device
+    logits.index_put_((upload(rows, device), upload(cols, device)),
+                      upload(values, device, logits.dtype), accumulate=True)
     return logits
 
 
@@ -381,19 +396,23 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],
                  histories: Sequence[TokenHistory] | None) -> torch.Tensor:
-        """Penalties and the ``min_tokens`` mask; ``logits`` itself when no row asks for them."""
+        """Penalties, logit biases and the ``min_tokens`` mask; ``logits`` itself when no row asks for them."""
         penalized = any(p.has_penalties for p in params)
-        if not penalized and not any(p.min_tokens for p in params):
+        biased = any(p.logit_bias for p in params)
+        if not penalized and not biased and not any(p.min_tokens for p in params):
             return logits
-        if histories is None:
+        if histories is None and (penalized or any(p.min_tokens for p in params)):
             raise ValueError("the sampler needs each row's token history for penalties and min_tokens")
-        if penalized:
-            logits = apply_penalties(logits, histories, params, self.tallies)
-        short = [i for i, (p, h) in enumerate(zip(params, histories))
+        short = [i for i, (p, h) in enumerate(zip(params, histories or ()))
                  if len(h.token_ids) - h.num_prompt_tokens < p.min_tokens]
+        if penalized:
+            logits = apply_penalties(logits, histories, params, self.tallies)  # a new tensor
+        elif biased or short:
+            logits = logits.clone()  # the raw logits stay as they were, for logprobs
+        if biased:
+            add_logit_bias(logits, params)
         if short:
-            logits = mask_stop_tokens(logits if penalized else logits.clone(), short,
-                                      [histories[i].stop_token_ids for i in short])
+            logits = mask_stop_tokens(logits, short, [histories[i].stop_token_ids for i in short])
         return logits
 
     def weights(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -21,9 +21,9 @@ model, and strong on text that repeats (code edits, extraction, JSON).
 ``draft`` runs a small model that shares the tokenizer
 (:mod:`kunlun_infer.engine.draft_model`).
 
-Sequences whose next token depends on more than its logits — penalties,
-``min_tokens``, structured output — decode one token at a time, beside the
-speculated ones in the same batch.
+Sequences whose next token depends on more than its raw logits — penalties,
+``min_tokens``, ``logit_bias``, structured output — decode one token at a time,
+beside the speculated ones in the same batch.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ class NgramProposer:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request's tokens can be checked in bulk: its next token depends on its logits alone."""
-    return params.structured is None and not params.has_penalties and params.min_tokens == 0
+    """Whether a request's tokens can be checked in bulk: its next token depends on its raw logits alone."""
+    return params.structured is None and not params.has_penalties and params.min_tokens == 0 and not params.logit_bias
 
 
 @dataclasses.dataclass(frozen=True)
