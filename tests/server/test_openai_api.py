@@ -79,6 +79,24 @@ def test_penalties_and_extensions_reach_the_engine(client, server, llm):
     assert resp.choices[0].text == expected.text
 
 
+def test_logit_bias_reaches_the_engine_on_both_endpoints(client, server, llm):
+    plain = llm.generate("abcabc", greedy(max_tokens=10), use_tqdm=False)[0]
+    banned = plain.token_ids[0]
+    forced = (banned + 7) % llm.engine.vocab_size
+    for bias, check in (({banned: -100}, lambda ids: banned not in ids),
+                        ({forced: 100}, lambda ids: ids == [forced] * 10)):
+        expected = llm.generate("abcabc", greedy(max_tokens=10, logit_bias=bias), use_tqdm=False)[0]
+        assert check(expected.token_ids)
+        body = {str(token): value for token, value in bias.items()}
+        resp = client.completions.create(model=server.model_name, prompt="abcabc", max_tokens=10, temperature=0,
+                                         logit_bias=body)
+        assert resp.choices[0].text == expected.text
+    chat = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=6, temperature=0,
+                                          logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == llm.chat(CHAT, greedy(max_tokens=6, logit_bias={forced: 100}),
+                                                       use_tqdm=False)[0].text
+
+
 def test_logprobs_have_the_openai_shapes(client, server, llm):
     expected = llm.generate("Hello", greedy(4, logprobs=2), use_tqdm=False)[0]
     resp = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0,

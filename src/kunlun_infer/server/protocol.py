@@ -1,8 +1,8 @@
 """The OpenAI request bodies the server accepts, and how they become :class:`SamplingParams`.
 
 Bodies are parsed with pydantic; a field the API defines but this server
-does not act on is accepted only at its neutral value (``echo=false``, an
-empty ``logit_bias`` …), so a client never silently gets something other than
+does not act on is accepted only at its neutral value (``echo=false``, no
+``suffix`` …), so a client never silently gets something other than
 what it asked for, and an unknown field is refused by name. Beyond the
 OpenAI fields, the usual engine extensions are accepted: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
@@ -116,9 +116,18 @@ class _SamplingRequest(BaseModel):
     guided_grammar: str | None = None
 
     def check_neutral(self) -> None:
-        """Refuse OpenAI fields this server only supports at their neutral value."""
-        if self.logit_bias:
-            raise ApiError("logit_bias is not supported by this server; leave it out", param="logit_bias")
+        """Refuse OpenAI fields this server only supports at their neutral value (each endpoint has its own)."""
+
+    def token_biases(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys (token ids, strings in JSON) as integers; the values are checked by
+        :class:`SamplingParams`."""
+        if not self.logit_bias:
+            return None
+        bad = next((key for key in self.logit_bias if not key.strip().isdigit()), None)
+        if bad is not None:
+            raise ApiError(f"logit_bias keys must be token ids (non-negative integers), got {json.dumps(bad)}",
+                           param="logit_bias")
+        return {int(key): value for key, value in self.logit_bias.items()}
 
     def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
         """The constraint the body asks for and the field that asked (``guided_*``), or ``(None, None)``."""
@@ -151,7 +160,7 @@ class _SamplingRequest(BaseModel):
                 stop_token_ids=list(self.stop_token_ids or ()), logprobs=logprobs, n=self.n,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
-                structured=structured, logprobs_mode=self.logprobs_mode)
+                structured=structured, logprobs_mode=self.logprobs_mode, logit_bias=self.token_biases())
         except RequestError as exc:
             raise ApiError.from_request_error(exc, structured_field=field) from None
 
