@@ -52,6 +52,8 @@ def test_malformed_json_is_a_400(server, body):
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ({"prompt": "x", "temprature": 0.5}, "temprature"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": []}, "prompt"),

@@ -91,6 +91,12 @@ def test_json_object_and_guided_json_on_completions(client):
     completion = client.completions.create(model="default", prompt="config = ", max_tokens=300, temperature=0.8,
                                            seed=2, extra_body={"guided_json": SCHEMAS["config"]})
     jsonschema.validate(json.loads(completion.choices[0].text), SCHEMAS["config"])
+    # completions take OpenAI's response_format as chat does
+    formatted = client.completions.create(model="default", prompt="point = ", max_tokens=200, temperature=0.8,
+                                          seed=3, extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                              "name": "point", "schema": SCHEMAS["point"]}}})
+    assert formatted.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(formatted.choices[0].text), SCHEMAS["point"])
 
 
 def test_regex_and_choice_answers_always_match(client):

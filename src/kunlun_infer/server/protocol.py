@@ -8,7 +8,7 @@ OpenAI fields, the usual engine extensions are accepted: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``logprobs_mode``, and structured output through
 ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``
-(chat also takes OpenAI's ``response_format`` ``json_object`` and
+(both endpoints also take OpenAI's ``response_format`` ``json_object`` and
 ``json_schema``). Every refusal is an :class:`ApiError` carrying the HTTP
 status and the OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}``.
@@ -114,6 +114,7 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
 
     def check_neutral(self) -> None:
         """Refuse OpenAI fields this server only supports at their neutral value (each endpoint has its own)."""
@@ -130,7 +131,18 @@ class _SamplingRequest(BaseModel):
         return {int(key): value for key, value in self.logit_bias.items()}
 
     def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
-        """The constraint the body asks for and the field that asked (``guided_*``), or ``(None, None)``."""
+        """The constraint the body asks for and the field that asked (``guided_*`` or ``response_format``), or
+        ``(None, None)``."""
+        guided, field = self.guided_output()
+        from_format = response_format_output(self.response_format)
+        if from_format is None:
+            return guided, field
+        if guided is not None:
+            raise ApiError(f"set either response_format or {field}, not both", param=field)
+        return from_format, "response_format"
+
+    def guided_output(self) -> tuple[StructuredOutput | None, str | None]:
+        """The constraint of the ``guided_*`` field the body sets, and that field, or ``(None, None)``."""
         asked = {name: value for name, value in (("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
                                                  ("guided_choice", self.guided_choice),
                                                  ("guided_grammar", self.guided_grammar)) if value is not None}
@@ -279,18 +291,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-
-    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
-        guided, field = super().structured_output()
-        from_format = response_format_output(self.response_format)
-        if from_format is None:
-            return guided, field
-        if guided is not None:
-            raise ApiError(f"set either response_format or {field}, not both", param=field)
-        return from_format, "response_format"
 
     def check_neutral(self) -> None:
         super().check_neutral()
