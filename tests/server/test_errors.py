@@ -49,6 +49,7 @@ def test_malformed_json_is_a_400(server, body):
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "seed": "abc"}, "seed"),
     ({"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"prompt": "x", "echo": True}, "echo"),

@@ -124,7 +124,7 @@ class _SamplingRequest(BaseModel):
         :class:`SamplingParams`."""
         if not self.logit_bias:
             return None
-        bad = next((key for key in self.logit_bias if not key.strip().isdigit()), None)
+        bad = next((key for key in self.logit_bias if not (key.isascii() and key.isdecimal())), None)
         if bad is not None:
             raise ApiError(f"logit_bias keys must be token ids (non-negative integers), got {json.dumps(bad)}",
                            param="logit_bias")
