@@ -399,9 +399,10 @@ class Sampler:
         """Penalties, logit biases and the ``min_tokens`` mask; ``logits`` itself when no row asks for them."""
         penalized = any(p.has_penalties for p in params)
         biased = any(p.logit_bias for p in params)
-        if not penalized and not biased and not any(p.min_tokens for p in params):
+        needs_history = penalized or any(p.min_tokens for p in params)
+        if not needs_history and not biased:
             return logits
-        if histories is None and (penalized or any(p.min_tokens for p in params)):
+        if histories is None and needs_history:
             raise ValueError("the sampler needs each row's token history for penalties and min_tokens")
         short = [i for i, (p, h) in enumerate(zip(params, histories or ()))
                  if len(h.token_ids) - h.num_prompt_tokens < p.min_tokens]
