@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import math
 import mmap
@@ -73,8 +74,9 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 HOST_KEEP_BYTES = 512 << 20
 
 
+@functools.cache
 def _glibc() -> Any:
-    """The process's C library where it is glibc (``mallopt``, ``malloc_trim``), else ``None``."""
+    """The process's C library where it is glibc (``mallopt``, ``malloc_trim``), else ``None``; looked up once."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 - present in glibc alone
