@@ -93,6 +93,12 @@ def test_template_errors_and_malformed_messages_are_request_errors(tmp_path, llm
     with pytest.raises(ki.RequestError) as err:
         llm.chat([{"content": "no role"}], GREEDY, use_tqdm=False)
     assert err.value.field == "messages[0].role"
+    with pytest.raises(ki.RequestError, match="no 'content'") as err:
+        llm.chat([{"role": "user"}], GREEDY, use_tqdm=False)
+    assert err.value.field == "messages[0].content"
+    with pytest.raises(ki.RequestError, match="string or a list") as err:
+        llm.chat([{"role": "user", "content": 7}], GREEDY, use_tqdm=False)
+    assert err.value.field == "messages[0].content"
     with pytest.raises(ki.RequestError, match="at least one message"):
         llm.chat([], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished()

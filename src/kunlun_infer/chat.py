@@ -159,6 +159,14 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message.get("role"), str):
             raise RequestError(f"messages[{i}] needs a string 'role' (system, user, assistant, …)",
                                field=f"messages[{i}].role")
+        content = message.get("content")
+        if content is None and not (message["role"] == "assistant" and message.get("tool_calls")):
+            raise RequestError(f"messages[{i}] ({message['role']}) has no 'content'; give it a string (it may be "
+                               f"empty): only an assistant message with 'tool_calls' may leave it out",
+                               field=f"messages[{i}].content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RequestError(f"messages[{i}].content must be a string or a list of content parts, got "
+                               f"{type(content).__name__}", field=f"messages[{i}].content")
     return chat
 
 
