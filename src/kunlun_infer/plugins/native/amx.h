@@ -127,10 +127,25 @@ static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
  * 0.99x in the other runs); 32 rows (which ask for the whole next tile) as before. STEP: the step's index, W: its
  * weight. */
 #define AMX_KICK_BYTES 16384
-#define AMX_KICK(AHEAD, ROWS, STEP, W)                                                \
-    do {                                                                              \
-        if ((AHEAD) == NULL && (ROWS) <= 16 && ((STEP) & 1) == 0)                     \
-            _mm_prefetch((const char *)(W) + AMX_KICK_BYTES, _MM_HINT_T1);            \
+/* A block of two row tiles (17-32 rows) in a pass of at most AMX_NEAR_BLOCKS blocks (a decode step's 17-64 rows) asks,
+ * while it multiplies a step of its weight tile, for the next step (NEAR_STEP_BYTES, 32 lines) into L1: each step's
+ * tile loads had waited on L2, and the multiply and that wait overlapped only in part (a 32-row step took 1.2-1.3x
+ * the weights' streaming time, a 48-row one 1.8x). On the Xeon with AMX (the 0.5B model's layer GEMMs, 2 threads, 13
+ * turns, with the code before run twice, whose A/A control read 0.98-1.01; bit for bit the same): bf16 0.93-0.94x
+ * the time at 24-48 rows, 1-16 and 96-256 rows as before; decode steps in the engine, separate processes in turns,
+ * 24 rows 51.1-51.5 -> 48.3-48.8 ms, 32 rows 54.6-54.9 -> 52.7-54.5. In passes of more blocks (a prefill's) the ask
+ * took 1.08x the time at 96-256 rows, where the blocks after the first find the tile in L2 already and their asks
+ * hold the first-level miss buffers their own loads need; int8 blocks (16 groups of 4 a step) read their weight
+ * near the memory's rate already, and took 0.98-1.02x, so they do not ask. */
+#define AMX_NEAR_BLOCKS 2
+#define NEAR_STEP_BYTES 2048
+#define AMX_KICK(AHEAD, ROWS, STEP, W, NEAR)                                                          \
+    do {                                                                                              \
+        if ((AHEAD) == NULL && (ROWS) <= 16 && ((STEP) & 1) == 0)                                     \
+            _mm_prefetch((const char *)(W) + AMX_KICK_BYTES, _MM_HINT_T1);                            \
+        if ((NEAR) && (ROWS) > 16)                                                                    \
+            for (int line_ = 0; line_ < NEAR_STEP_BYTES; line_ += 64)                                 \
+                _mm_prefetch((const char *)(W) + NEAR_STEP_BYTES + line_, _MM_HINT_T0);               \
     } while (0)
 
 /* What block `blk` (`rows` rows) of a pass's `blocks` (`rows_bytes` of rows) asks for of the next weight tile (`next`,
@@ -174,9 +189,10 @@ static inline int64_t amx_even_passes(int64_t m, int64_t most) {
 /* What amx_walk has a tile GEMM do for one block: rows r0.. (`rows` of them, the layout configured for them and
  * the sums zeroed) of weight tile t, bytes [b0, b0 + bytes) of the reduction; the sums before b0 are in `carry`
  * [32][32] (32-bit), and go back there unless the chunk ends the reduction (where Y is written); asking meanwhile for
- * `lines` lines from `ahead`. */
+ * `lines` lines from `ahead`, and where `near` (a pass of at most AMX_NEAR_BLOCKS blocks) for the weight's next step
+ * into L1 (AMX_KICK). */
 typedef void (*amx_block_fn)(const void *gemm, int64_t t, int64_t r0, int rows, int64_t b0, int64_t bytes,
-                             void *carry, const char *ahead, int64_t lines);
+                             void *carry, const char *ahead, int64_t lines, int near);
 
 /* How a thread of `team` walks a tile GEMM (amx_walk, below): bytes of the reduction a chunk (all of it: whole tiles),
  * rows a pass, tiles that take a chunk in turn before the next chunk (1: each tile's chunks in turn), and bytes a
@@ -259,7 +275,7 @@ static inline __attribute__((always_inline)) int amx_walk(int64_t m, int64_t til
                         amx_start_block(rows, &configured);
                         block(gemm, t, r0, rows, b0, bytes,
                               carry ? (char *)carry + ((t - g0) * blocks + (r0 - p0) / 32) * 4096 : NULL, ahead.from,
-                              ahead.lines);
+                              ahead.lines, blocks <= AMX_NEAR_BLOCKS);
                     }
                 }
             }

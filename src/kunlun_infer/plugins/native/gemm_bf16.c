@@ -114,7 +114,7 @@ typedef struct {
 /* amx_walk's block: reductions [b0 / 2, (b0 + bytes) / 2) of rows r0.. of Y for weight tile t */
 static inline __attribute__((always_inline)) void amx_block(const void *gemm, int64_t t, int64_t r0, int rows,
                                                             int64_t b0, int64_t bytes, void *carry,
-                                                            const char *ahead, int64_t lines) {
+                                                            const char *ahead, int64_t lines, int near) {
     const amx_gemm_t *g = (const amx_gemm_t *)gemm;
     const int64_t k = g->k, k0 = b0 / 2, end = (b0 + bytes) / 2, ldx = k * (int64_t)sizeof(uint16_t);
     const int64_t full = end == k ? k / AMX_K * AMX_K : end, steps = (full - k0) / AMX_K;
@@ -124,7 +124,7 @@ static inline __attribute__((always_inline)) void amx_block(const void *gemm, in
     int64_t credit = 0;
     for (int64_t q = k0; q < full; q += AMX_K) {
         ASK_SPREAD(ahead, lines, steps, credit);
-        AMX_KICK(ahead, rows, q / AMX_K, pt + q * TILE_N);
+        AMX_KICK(ahead, rows, q / AMX_K, pt + q * TILE_N, near);
         AMX_STEP(_tile_dpbf16ps, x + q, ldx, pt + q * TILE_N, two);
     }
     if (full < end) { /* the ragged end of K: zero-padded copies of its rows and of its pairs of the weight */

@@ -354,7 +354,8 @@ typedef struct {
 /* amx_walk's block: groups [b0 / 4, (b0 + bytes) / 4) of rows r0.. of Y for weight tile t */
 static inline __attribute__((always_inline)) void amx_block_int8(const void *gemm, int64_t t, int64_t r0, int rows,
                                                                  int64_t b0, int64_t bytes, void *carry,
-                                                                 const char *ahead, int64_t lines) {
+                                                                 const char *ahead, int64_t lines, int near) {
+    (void)near;
     const amx_gemm_int8_t *g = (const amx_gemm_int8_t *)gemm;
     const int64_t groups = g->groups, kp = g->kp, g0 = b0 / 4, end = (b0 + bytes) / 4;
     const int64_t full = end == groups ? groups / 16 * 16 : end, steps = (full - g0) / 16;
@@ -364,7 +365,7 @@ static inline __attribute__((always_inline)) void amx_block_int8(const void *gem
     int64_t credit = 0;
     for (int64_t i = g0; i < full; i += 16) {
         ASK_SPREAD(ahead, lines, steps, credit);
-        AMX_KICK(ahead, rows, i / 16, w + i * NR * 4);
+        AMX_KICK(ahead, rows, i / 16, w + i * NR * 4, 0);  /* near: bf16 only (see AMX_NEAR_BLOCKS) */
         AMX_STEP(_tile_dpbssd, q + i * 4, kp, w + i * NR * 4, two);
     }
     if (full < end) { /* the ragged end of the weight tile: a zero-padded copy (q is padded already) */
