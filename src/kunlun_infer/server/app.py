@@ -206,11 +206,14 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
         async def handle() -> Response:
             req = await parse_body(request, CompletionRequest)
             state.check_model(req.model)
-            params = req.sampling_params(max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs)
+            max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+            # a prompt scored alone (echo, max_tokens=0) still generates its one token, which no one sees
+            params = req.sampling_params(max_tokens=max(max_tokens, 1), logprobs=req.logprobs,
+                                         prompt_logprobs=req.logprobs if req.echo else None)
             prepared = await prepare(req.prompts(), params, req.structured_output()[1])
-            builder = CompletionBuilder(state.model_name, state.token_text, req.logprobs or 0)
-            return await run(request, Generation(state.loop, prepared, streamed=req.stream), builder, req.stream,
-                             req.include_usage)
+            builder = CompletionBuilder(state.model_name, state.token_text, req.logprobs or 0, echo=req.echo)
+            generation = Generation(state.loop, prepared, streamed=req.stream, prompt_only=max_tokens == 0)
+            return await run(request, generation, builder, req.stream, req.include_usage)
 
         return await answer("/v1/completions", handle)
 

@@ -12,6 +12,7 @@ client that disconnects frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,11 +25,15 @@ from kunlun_infer.server.protocol import ApiError
 class Generation:
     """The engine requests behind one HTTP request. Build, :meth:`start`, then iterate :meth:`outputs`."""
 
-    def __init__(self, engine_loop: Any, requests: list[PreparedRequest], *, streamed: bool = True) -> None:
+    def __init__(self, engine_loop: Any, requests: list[PreparedRequest], *, streamed: bool = True,
+                 prompt_only: bool = False) -> None:
         """``requests``: one per prompt, prepared by the engine with the same params; ``streamed``: the client sees
-        outputs as they come (else only the final ones, so the requests may start over elsewhere)."""
+        outputs as they come (else only the final ones, so the requests may start over elsewhere);
+        ``prompt_only``: the client asked for no tokens (a prompt scored, ``max_tokens=0``), so the one token
+        each request generates with its prompt's last logits is left out of the outputs and the usage."""
         self.engine_loop = engine_loop
         self.streamed = streamed
+        self.prompt_only = prompt_only
         self.requests = requests
         self.n = requests[0].params.n
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -61,6 +66,10 @@ class Generation:
                     raise ApiError.from_request_error(item)
                 raise item
             choice = index * self.n + item.index
+            if self.prompt_only:
+                item = dataclasses.replace(item, token_ids=[], text="", delta_text="",
+                                           logprobs=None if item.logprobs is None else [],
+                                           finish_reason="length" if item.finished else None)
             if item.finished:
                 self._samples_left -= 1
                 self.finals[choice] = item

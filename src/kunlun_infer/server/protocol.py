@@ -155,7 +155,8 @@ class _SamplingRequest(BaseModel):
         return structured_from(field, {kind: value}), field
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None,
-                        structured: tuple[StructuredOutput | None, str | None] | None = None) -> SamplingParams:
+                        structured: tuple[StructuredOutput | None, str | None] | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; :class:`ApiError` naming the field for a bad value.
 
         ``structured``: the constraint and the body field that set it, when the
@@ -169,7 +170,8 @@ class _SamplingRequest(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
                 seed=self.seed, ignore_eos=self.ignore_eos,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
-                stop_token_ids=list(self.stop_token_ids or ()), logprobs=logprobs, n=self.n,
+                stop_token_ids=list(self.stop_token_ids or ()), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                n=self.n,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
                 structured=structured, logprobs_mode=self.logprobs_mode, logit_bias=self.token_biases())
@@ -185,6 +187,8 @@ class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    #: 0 only with ``echo``: the prompt alone, scored (its logprobs), nothing generated
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
@@ -192,8 +196,11 @@ class CompletionRequest(_SamplingRequest):
 
     def check_neutral(self) -> None:
         super().check_neutral()
-        if self.echo:
-            raise ApiError("echo=true is not supported by this server", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError("max_tokens must be at least 1 (0 only with echo=true, to score the prompt alone)",
+                           param="max_tokens")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise ApiError(f"min_tokens ({self.min_tokens}) must be at most max_tokens (0)", param="min_tokens")
         if self.suffix:
             raise ApiError("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -50,24 +50,33 @@ class TokenText:
             return self.tokenizer.id_to_token(token_id) or text
         return text
 
+    def of(self, token_ids: list[int]) -> str:
+        """The text of a token sequence, special tokens shown (an echoed prompt given as token ids)."""
+        if self.tokenizer is None:
+            return "".join(self(t) for t in token_ids)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
-def completion_logprobs(output: RequestOutput, start: int, text_offset: int, token_text: TokenText,
-                        top: int) -> dict[str, Any] | None:
-    """The legacy completions ``logprobs`` object for tokens ``start:`` of ``output``."""
-    if output.logprobs is None:
-        return None
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], text_offset: int,
+                        token_text: TokenText, top: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for ``token_ids`` and their ``{token_id: logprob}`` entries
+    (``None`` for a prompt's first token, which nothing comes before), the first at ``text_offset``."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset
-    for token_id, entry in zip(output.token_ids[start:], output.logprobs[start:]):
+    for token_id, entry in zip(token_ids, entries):
         text = token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(entry.get(token_id))
-        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
-        top_logprobs.append({token_text(t): lp for t, lp in best} if top else None)
+        token_logprobs.append(None if entry is None else entry.get(token_id))
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top] if entry is not None else []
+        top_logprobs.append({token_text(t): lp for t, lp in best} if top and entry is not None else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + then[key] for key in first}
 
 
 def chat_logprobs(output: RequestOutput, start: int, token_text: TokenText, top: int) -> dict[str, Any] | None:
@@ -91,11 +100,17 @@ def finish_reason(output: RequestOutput) -> str | None:
 
 
 class CompletionBuilder:
-    """Bodies of one ``/v1/completions`` answer (whole, or as stream chunks)."""
+    """Bodies of one ``/v1/completions`` answer (whole, or as stream chunks).
 
-    def __init__(self, model: str, token_text: TokenText, top_logprobs: int) -> None:
+    With ``echo`` each choice's text starts with its prompt's (the string
+    sent, or the token ids decoded), in the first chunk of a stream, and
+    where logprobs were asked its logprobs start with the prompt tokens'
+    (the engine's ``prompt_logprobs``; ``None`` for the first token).
+    """
+
+    def __init__(self, model: str, token_text: TokenText, top_logprobs: int, *, echo: bool = False) -> None:
         self.id, self.created, self.model = new_id("cmpl"), int(time.time()), model
-        self.token_text, self.top = token_text, top_logprobs
+        self.token_text, self.top, self.echo = token_text, top_logprobs, echo
         self._sent_tokens: dict[int, int] = {}
         self._sent_chars: dict[int, int] = {}
 
@@ -103,23 +118,43 @@ class CompletionBuilder:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices}
 
+    def _echoed(self, output: RequestOutput) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and, where asked, its logprobs object."""
+        text = output.prompt if output.prompt is not None else self.token_text.of(output.prompt_token_ids)
+        if output.prompt_logprobs is None:
+            return text, None
+        return text, completion_logprobs(output.prompt_token_ids, output.prompt_logprobs, 0, self.token_text,
+                                         self.top)
+
+    def _choice(self, index: int, output: RequestOutput, start: int, chars: int, text: str,
+                first: bool) -> dict[str, Any]:
+        """The choice for ``text`` and tokens ``start:`` of ``output`` (at ``chars`` of the choice's text), the
+        prompt's before them where it is echoed and this is the ``first`` the client gets of the choice."""
+        prompt, prompt_logprobs = self._echoed(output) if self.echo and first else ("", None)
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = completion_logprobs(output.token_ids[start:], output.logprobs[start:], chars + len(prompt),
+                                           self.token_text, self.top)
+            if prompt_logprobs is not None:
+                logprobs = _joined(prompt_logprobs, logprobs)
+        return {"index": index, "text": prompt + text, "logprobs": logprobs, "finish_reason": finish_reason(output)}
+
     def chunk(self, index: int, output: RequestOutput) -> dict[str, Any] | None:
         """The stream chunk for an output's new text, or ``None`` when there is nothing to send yet."""
-        if not output.delta_text and not output.finished:
+        first = index not in self._sent_chars
+        if not output.delta_text and not output.finished and not (self.echo and first):
             return None
         start, chars = self._sent_tokens.get(index, 0), self._sent_chars.get(index, 0)
-        logprobs = completion_logprobs(output, start, chars, self.token_text, self.top)
+        choice = self._choice(index, output, start, chars, output.delta_text, first)
         self._sent_tokens[index] = len(output.token_ids)
-        self._sent_chars[index] = chars + len(output.delta_text)
-        return self._envelope([{"index": index, "text": output.delta_text, "logprobs": logprobs,
-                                "finish_reason": finish_reason(output)}])
+        self._sent_chars[index] = chars + len(choice["text"])
+        return self._envelope([choice])
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope([]), "usage": usage}
 
     def response(self, finals: dict[int, RequestOutput], usage: dict[str, int]) -> dict[str, Any]:
-        choices = [{"index": i, "text": o.text, "logprobs": completion_logprobs(o, 0, 0, self.token_text, self.top),
-                    "finish_reason": o.finish_reason} for i, o in sorted(finals.items())]
+        choices = [self._choice(i, o, 0, 0, o.text, True) for i, o in sorted(finals.items())]
         return {**self._envelope(choices), "usage": usage}
 
 
