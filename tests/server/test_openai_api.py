@@ -1,6 +1,7 @@
 """The OpenAI-compatible API through the official ``openai`` client: same texts as in-process, same shapes."""
 
 import httpx
+import openai
 import pytest
 
 import kunlun_infer as ki
@@ -114,6 +115,9 @@ def test_logprobs_have_the_openai_shapes(client, server, llm):
 
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [server.model_name]
+    assert client.models.retrieve(server.model_name).id == server.model_name
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-9")
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     metrics = httpx.get(f"{server.url}/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")

@@ -296,12 +296,22 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
 
         return await answer("/detokenize", handle)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kunlun-infer",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kunlun-infer",
-                "max_model_len": engine.max_model_len}
         count("/v1/models", 200)
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        async def handle() -> Response:
+            state.check_model(model)
+            return JSONResponse(model_card())
+
+        return await answer("/v1/models/{model}", handle)
 
     @app.get("/health")
     async def health() -> Response:
