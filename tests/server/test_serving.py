@@ -177,3 +177,11 @@ def test_a_failed_engine_step_is_a_500_for_its_requests_and_the_server_serves_on
     assert error["type"] == "server_error" and "simulated kernel failure" in error["message"]
     ok = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
     assert ok.status_code == 200 and httpx.get(f"{small_server.url}/health").status_code == 200
+
+    # a prompt scored alone (echo, max_tokens=0) shows no token, but its failure is still a failure
+    fail_next_step(small_server.engine, monkeypatch, RuntimeError("simulated kernel failure"))
+    scored = {"prompt": "x y", "max_tokens": 0, "echo": True, "logprobs": 0}
+    failed = httpx.post(f"{small_server.url}/v1/completions", json=scored, timeout=30)
+    assert failed.status_code == 500 and "simulated kernel failure" in failed.json()["error"]["message"]
+    ok = httpx.post(f"{small_server.url}/v1/completions", json=scored, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "x y"

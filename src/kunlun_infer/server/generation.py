@@ -69,7 +69,8 @@ class Generation:
             if self.prompt_only:
                 item = dataclasses.replace(item, token_ids=[], text="", delta_text="",
                                            logprobs=None if item.logprobs is None else [],
-                                           finish_reason="length" if item.finished else None)
+                                           finish_reason="length" if item.finish_reason in ("stop", "length")
+                                           else item.finish_reason)
             if item.finished:
                 self._samples_left -= 1
                 self.finals[choice] = item
