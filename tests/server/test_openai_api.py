@@ -98,6 +98,18 @@ def test_logit_bias_reaches_the_engine_on_both_endpoints(client, server, llm):
                                                        use_tqdm=False)[0].text
 
 
+def test_fields_clients_send_at_their_neutral_values_are_taken(client, server, llm):
+    expected = llm.chat(CHAT, greedy(), use_tqdm=False)[0].text
+    resp = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=8, temperature=0,
+                                          metadata={"run": "nightly"}, store=False, service_tier="auto",
+                                          modalities=["text"], top_logprobs=0)
+    assert resp.choices[0].message.content == expected and resp.choices[0].logprobs is None
+    completion = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=8, temperature=0,
+                                           extra_body={"metadata": {"run": "nightly"}, "store": False,
+                                                       "service_tier": "default"})
+    assert completion.choices[0].text == llm.generate("Hello", greedy(), use_tqdm=False)[0].text
+
+
 def test_logprobs_have_the_openai_shapes(client, server, llm):
     expected = llm.generate("Hello", greedy(4, logprobs=2), use_tqdm=False)[0]
     resp = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0,

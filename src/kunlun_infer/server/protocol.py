@@ -115,9 +115,19 @@ class _SamplingRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
+    #: the client's own tags, as OpenAI keeps them beside a stored completion: taken and left unused
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     def check_neutral(self) -> None:
         """Refuse OpenAI fields this server only supports at their neutral value (each endpoint has its own)."""
+        if self.store:
+            raise ApiError("store=true is not supported: this server keeps no completions; leave it out or false",
+                           param="store")
+        if self.service_tier not in (None, "auto", "default"):
+            raise ApiError(f"service_tier {json.dumps(self.service_tier)} is not supported: this server has one "
+                           f"tier; leave it out or send 'auto' or 'default'", param="service_tier")
 
     def token_biases(self) -> dict[int, float] | None:
         """``logit_bias`` with its keys (token ids, strings in JSON) as integers; the values are checked by
@@ -300,11 +310,15 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
     def check_neutral(self) -> None:
         super().check_neutral()
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise ApiError(f"modalities {json.dumps(self.modalities)} is not supported: this server answers in "
+                           f"text; leave it out or send [\"text\"]", param="modalities")
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
