@@ -210,7 +210,7 @@ def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engin
             # a prompt scored alone (echo, max_tokens=0) still generates its one token, which no one sees
             params = req.sampling_params(max_tokens=max(max_tokens, 1), logprobs=req.logprobs,
                                          prompt_logprobs=req.logprobs if req.echo else None)
-            prepared = await prepare(req.prompts(), params, req.structured_output()[1])
+            prepared = await prepare(req.prompts(engine.tokenizer), params, req.structured_output()[1])
             builder = CompletionBuilder(state.model_name, state.token_text, req.logprobs or 0, echo=req.echo)
             generation = Generation(state.loop, prepared, streamed=req.stream, prompt_only=max_tokens == 0)
             return await run(request, generation, builder, req.stream, req.include_usage)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kunlun_infer.engine.params import SamplingParams
 from kunlun_infer.engine.structured_output import StructuredOutput
 from kunlun_infer.errors import KunlunInferError, RequestError
+from kunlun_infer.fim import fim_prompt
 from kunlun_infer.server.redact import public_text
 
 
@@ -211,21 +212,32 @@ class CompletionRequest(_SamplingRequest):
                            param="max_tokens")
         if self.max_tokens == 0 and self.min_tokens:
             raise ApiError(f"min_tokens ({self.min_tokens}) must be at most max_tokens (0)", param="min_tokens")
-        if self.suffix:
-            raise ApiError("suffix is not supported by this server", param="suffix")
+        if self.suffix and self.echo:
+            raise ApiError("echo and suffix cannot go together: an infilled prompt is not the text sent; drop one",
+                           param="echo")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(f"best_of must equal n ({self.n}) on this server", param="best_of")
 
-    def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: text or token ids."""
+    def prompts(self, tokenizer: Any = None) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids; with a ``suffix``, each text prompt as the prefix of a
+        fill-in-the-middle prompt for ``tokenizer``'s model (:mod:`kunlun_infer.fim`)."""
         p = self.prompt
         if isinstance(p, str):
-            return [p]
-        if not p:
+            prompts: list[str | list[int]] = [p]
+        elif not p:
             raise ApiError("prompt must not be an empty list", param="prompt")
-        if all(isinstance(t, int) for t in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+        elif all(isinstance(t, int) for t in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+        if not self.suffix:
+            return prompts
+        if not all(isinstance(x, str) for x in prompts):
+            raise ApiError("suffix needs text prompts (the text before the hole), not token ids", param="suffix")
+        try:
+            return [fim_prompt(tokenizer, x, self.suffix) for x in prompts]  # type: ignore[arg-type]
+        except RequestError as exc:
+            raise ApiError.from_request_error(exc) from None
 
 
 class TextPart(BaseModel):
