@@ -116,7 +116,8 @@ class _SamplingRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None
-    #: the client's own tags, as OpenAI keeps them beside a stored completion: taken and left unused
+    #: sent by clients at values this server meets (check_neutral): ``metadata``, the client's own tags that OpenAI
+    #: keeps beside a stored completion, is taken and left unused
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None

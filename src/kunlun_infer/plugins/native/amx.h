@@ -128,7 +128,7 @@ static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
  * weight. */
 #define AMX_KICK_BYTES 16384
 /* A block of two row tiles (17-32 rows) in a pass of at most AMX_NEAR_BLOCKS blocks (a decode step's 17-64 rows) asks,
- * while it multiplies a step of its weight tile, for the next step (NEAR_STEP_BYTES, 32 lines) into L1: each step's
+ * while it multiplies a step of its weight tile, for the next step (AMX_NEAR_BYTES, 32 lines) into L1: each step's
  * tile loads had waited on L2, and the multiply and that wait overlapped only in part (a 32-row step took 1.2-1.3x
  * the weights' streaming time, a 48-row one 1.8x). On the Xeon with AMX (the 0.5B model's layer GEMMs, 2 threads, 13
  * turns, with the code before run twice, whose A/A control read 0.98-1.01; bit for bit the same): bf16 0.93-0.94x
@@ -138,14 +138,14 @@ static inline int64_t amx_pass_rows(int64_t m, int64_t row_bytes) {
  * hold the first-level miss buffers their own loads need; int8 blocks (16 groups of 4 a step) read their weight
  * near the memory's rate already, and took 0.98-1.02x, so they do not ask. */
 #define AMX_NEAR_BLOCKS 2
-#define NEAR_STEP_BYTES 2048
+#define AMX_NEAR_BYTES 2048
 #define AMX_KICK(AHEAD, ROWS, STEP, W, NEAR)                                                          \
     do {                                                                                              \
         if ((AHEAD) == NULL && (ROWS) <= 16 && ((STEP) & 1) == 0)                                     \
             _mm_prefetch((const char *)(W) + AMX_KICK_BYTES, _MM_HINT_T1);                            \
         if ((NEAR) && (ROWS) > 16)                                                                    \
-            for (int line_ = 0; line_ < NEAR_STEP_BYTES; line_ += 64)                                 \
-                _mm_prefetch((const char *)(W) + NEAR_STEP_BYTES + line_, _MM_HINT_T0);               \
+            for (int line_ = 0; line_ < AMX_NEAR_BYTES; line_ += 64)                                  \
+                _mm_prefetch((const char *)(W) + AMX_NEAR_BYTES + line_, _MM_HINT_T0);                \
     } while (0)
 
 /* What block `blk` (`rows` rows) of a pass's `blocks` (`rows_bytes` of rows) asks for of the next weight tile (`next`,
