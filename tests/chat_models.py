@@ -56,15 +56,17 @@ RICH_TEMPLATE = """{{ bos_token }}
 {% endif %}"""
 
 
-def write_chat_tokenizer(folder: Path, chat_template: str | None = CHATML_TEMPLATE, **config) -> None:
-    """A byte-level ``tokenizer.json`` with the chat special tokens, and its ``tokenizer_config.json``."""
+def write_chat_tokenizer(folder: Path, chat_template: str | None = CHATML_TEMPLATE, *,
+                         specials: list[str] = SPECIAL_TOKENS, **config) -> None:
+    """A byte-level ``tokenizer.json`` with the chat special tokens (or ``specials``, ids from 256 on), and its
+    ``tokenizer_config.json``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(specials)
     tok.save(str(folder / "tokenizer.json"))
     tokenizer_config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **config}
     if chat_template is not None:

@@ -1,12 +1,10 @@
 """``suffix`` on ``/v1/completions``: a fill-in-the-middle prompt for a model that has infilling tokens, and a
 400 naming the field for one that has not."""
 
-import json
-
 import pytest
 
 import kunlun_infer as ki
-from tests.chat_models import SPECIAL_TOKENS
+from tests.chat_models import SPECIAL_TOKENS, write_chat_tokenizer
 from tests.engine.tiny_models import build_tiny_model, engine_overrides
 from tests.server.harness import RunningServer, engine_for
 from tests.server.test_errors import assert_openai_error, post
@@ -18,18 +16,10 @@ PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
 @pytest.fixture(scope="module")
 def fim_folder(tmp_path_factory):
     """A tiny random model whose byte-level tokenizer has the Qwen2.5-Coder infilling tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     folder = tmp_path_factory.mktemp("fim-model")
     specials = SPECIAL_TOKENS + FIM_TOKENS
     build_tiny_model(folder, "qwen2", vocab_size=256 + len(specials), eos_token_id=[256])
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    write_chat_tokenizer(folder, None, specials=specials, eos_token="<|endoftext|>")
     return folder
 
 
