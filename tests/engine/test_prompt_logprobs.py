@@ -51,6 +51,14 @@ def test_prompt_logprobs_equal_transformers_log_softmax(tiny_model, make_llm, ex
     check(run(make_llm(tiny_model("qwen3"))), expected)
 
 
+def test_rows_scored_a_slice_at_a_time_score_the_same(tiny_model, make_llm, expected, monkeypatch):
+    from kunlun_infer.engine import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "SCORE_ROWS", 7)  # ~390 scored rows in one step: many slices, a ragged end
+    check(run(make_llm(tiny_model("qwen3"))), expected)
+    check(run(make_llm(tiny_model("qwen3")), prompt_logprobs=0), expected, top=0)
+
+
 def test_chunked_prefill_scores_every_chunk(tiny_model, make_llm, expected):
     llm = make_llm(tiny_model("qwen3"), scheduler__max_num_batched_tokens=24)
     check(run(llm), expected)
