@@ -56,10 +56,8 @@ RICH_TEMPLATE = """{{ bos_token }}
 {% endif %}"""
 
 
-def write_chat_tokenizer(folder: Path, chat_template: str | None = CHATML_TEMPLATE, *,
-                         specials: list[str] = SPECIAL_TOKENS, **config) -> None:
-    """A byte-level ``tokenizer.json`` with the chat special tokens (or ``specials``, ids from 256 on), and its
-    ``tokenizer_config.json``."""
+def byte_tokenizer(specials: list[str]):
+    """A byte-level ``tokenizers.Tokenizer`` (one id a byte) with ``specials`` as special tokens, ids from 256 on."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -67,7 +65,14 @@ def write_chat_tokenizer(folder: Path, chat_template: str | None = CHATML_TEMPLA
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
-    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+def write_chat_tokenizer(folder: Path, chat_template: str | None = CHATML_TEMPLATE, *,
+                         specials: list[str] = SPECIAL_TOKENS, **config) -> None:
+    """A byte-level ``tokenizer.json`` with the chat special tokens (or ``specials``, ids from 256 on), and its
+    ``tokenizer_config.json``."""
+    byte_tokenizer(specials).save(str(folder / "tokenizer.json"))
     tokenizer_config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **config}
     if chat_template is not None:
         tokenizer_config["chat_template"] = chat_template

@@ -1,8 +1,8 @@
 """The OpenAI request bodies the server accepts, and how they become :class:`SamplingParams`.
 
 Bodies are parsed with pydantic; a field the API defines but this server
-does not act on is accepted only at its neutral value (``echo=false``, no
-``suffix`` …), so a client never silently gets something other than
+does not act on is accepted only at its neutral value (``store=false``,
+``best_of`` equal to ``n`` …), so a client never silently gets something other than
 what it asked for, and an unknown field is refused by name. Beyond the
 OpenAI fields, the usual engine extensions are accepted: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
