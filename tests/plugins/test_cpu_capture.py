@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kunlun_infer.ops import reference
-from kunlun_infer.plugins import cpu_capture, cpu_kernels, cpu_native
+from kunlun_infer.plugins import cpu_capture, cpu_kernels, cpu_memory, cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="the native CPU kernels do not build here")
 
@@ -151,3 +151,23 @@ def test_calls_the_c_table_cannot_pass_are_made_from_python():
     assert cpu_capture._native_table([(probe, (0, 0), False)], cpu_native.selection().library) is not None
     too_many = type("kernel", (), {"argtypes": [ctypes.c_int64] * (ints + 1)})()
     assert cpu_capture._native_table([(too_many, (0,) * (ints + 1), False)], cpu_native.selection().library) is None
+
+
+
+def test_a_large_output_is_a_buffer_of_the_arena_not_a_kept_host_block():
+    # SwiGLU's output here is 32 MiB, as large as the host tensors the CPU ops take from the caching plugin's kept
+    # mappings: in a capture it is the region's own buffer, in the arena the thread's captured steps share
+    cpu_memory.keep_large_host_blocks()
+    g = torch.Generator().manual_seed(2)
+    rows, hidden = 1024, 16384
+    x, w, w2 = torch.randn(rows, hidden, generator=g), torch.randn(hidden, generator=g), torch.randn(hidden // 2)
+
+    def norm_swiglu_norm():
+        return cpu_kernels.rms_norm(cpu_kernels.silu_and_mul(cpu_kernels.rms_norm(x, w, 1e-6)), w2, 1e-6)
+
+    captured = cpu_capture.capture(norm_swiglu_norm)
+    assert captured is not None
+    assert captured.arena_bytes == rows * (hidden + hidden // 2) * 4  # the normed rows and SwiGLU's output
+    x.copy_(torch.randn(rows, hidden, generator=g))
+    torch.testing.assert_close(captured.replay(), reference.rms_norm(
+        reference.silu_and_mul(reference.rms_norm(x, w, 1e-6)), w2, 1e-6))

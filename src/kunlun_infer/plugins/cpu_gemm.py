@@ -88,7 +88,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     if x.shape[-1] != k:
         raise ValueError(f"linear: input features {x.shape[-1]} do not match the weight's {k}")
     rows = x.reshape(-1, k).to(packed.dtype).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=packed.dtype)
+    out = cpu_memory.host_empty((rows.shape[0], n), packed.dtype)
     if rows.shape[0]:
         bias32 = _bias32(bias)
         status = getattr(cpu_native.library(), _KERNELS[packed.dtype][1])(
@@ -133,7 +133,7 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     if x.shape[-1] != k:
         raise ValueError(f"int8_linear: input features {x.shape[-1]} do not match the weight's {k}")
     rows = x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    out = cpu_memory.host_empty((rows.shape[0], n), x.dtype)
     if rows.shape[0]:
         bias32 = _bias32(bias)
         status = cpu_native.library().kunlun_gemm_int8(

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from kunlun_infer.ops import OP_SPECS, reference
-from kunlun_infer.plugins import cpu_gemm, cpu_moe, cpu_native
+from kunlun_infer.plugins import cpu_gemm, cpu_memory, cpu_moe, cpu_native
 from kunlun_infer.plugins.cpu_attention import paged_attention
 
 #: attribute set on a weight this module reordered for oneDNN
@@ -167,7 +167,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if lib is None or x.shape[-1] % 2:
         return reference.silu_and_mul(x)
     n = x.shape[-1] // 2
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    out = cpu_memory.host_empty((*x.shape[:-1], n), x.dtype)
     lib.kunlun_silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n, x.dtype is torch.bfloat16)
     return out
 

@@ -6,10 +6,12 @@ keeps freed blocks in free lists bucketed by size and hands them out again;
 ``empty_cache`` gives them back. ``caching`` also has the C library keep the
 memory torch's host tensors free (:func:`keep_freed_host_memory`), so that a
 step's activations reuse the last step's pages; its ``empty_cache`` gives
-that back too. Blocks of 2 MiB or more (a KV cache's) are
-mapped in huge pages where the system grants them (:func:`host_buffer`). Requests larger than the memory the device
-reports free raise :class:`DeviceOutOfMemoryError` with the numbers, instead
-of leaving the process to the operating system's OOM killer.
+that back too. It also keeps, between steps, the mappings of the largest
+tensors the CPU ops make (:class:`LargeHostBlocks`). Blocks of 2 MiB or more
+(a KV cache's) are mapped in huge pages where the system grants them
+(:func:`host_buffer`). Requests larger than the memory the device reports
+free raise :class:`DeviceOutOfMemoryError` with the numbers, instead of
+leaving the process to the operating system's OOM killer.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import logging
 import math
 import mmap
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kunlun_infer.version import __version__
 from kunlun_infer.capabilities import Device, MemoryAllocator, MemoryStats
@@ -55,17 +59,25 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     (another OS, the advice refused) it keeps the usual pages. The mapping
     lives as long as a view of it.
     """
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_PAGE or advice is None:
+    if nbytes < HUGE_PAGE or getattr(mmap, "MADV_HUGEPAGE", None) is None:
         return torch.empty(nbytes, dtype=torch.uint8)
+    region, skip = _huge_page_mapping(nbytes)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=skip)  # holds the mapping
+
+
+def _huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A fresh anonymous mapping with ``nbytes`` from a 2 MiB boundary on, advised ``MADV_HUGEPAGE`` where the
+    system has the advice (see :func:`host_buffer`), and where in it that boundary lies."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping for as long as a view lives
-    skip = -whole.data_ptr() % HUGE_PAGE
-    try:
-        region.madvise(advice, skip - skip % mmap.PAGESIZE, nbytes + skip % mmap.PAGESIZE)
-    except OSError:
-        pass
-    return whole[skip:skip + nbytes]
+    start = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    skip = -start % HUGE_PAGE
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            region.madvise(advice, skip - skip % mmap.PAGESIZE, nbytes + skip % mmap.PAGESIZE)
+        except OSError:
+            pass
+    return region, skip
 
 
 #: ``mallopt`` parameters (glibc's ``malloc.h``)
@@ -104,11 +116,12 @@ def keep_freed_host_memory() -> bool:
     hundred faults. Blocks up to 32 MiB (glibc's largest mmap threshold)
     from the heap and the larger ones mapped had left 2 processes of 62
     mapping the 40 MiB gate-up outputs afresh every step, as before. A thread
-    that allocates from an arena of its own (the server's engine loop may)
+    that allocates from an arena of its own (the server's engine loop does)
     grows it in heaps of 64 MiB, so blocks larger than that are still mapped
-    there each time (a float32 prefill's gate-up outputs at 2048 tokens). The
-    setting is the process's; it stays for as long as the process runs
-    (:func:`release_freed_host_memory` gives back what is free meanwhile).
+    there each time; the CPU ops take their largest outputs from
+    :class:`LargeHostBlocks` instead. The setting is the process's; it stays
+    for as long as the process runs (:func:`release_freed_host_memory` gives
+    back what is free meanwhile).
     """
     libc = _glibc()
     if libc is None:
@@ -121,12 +134,121 @@ def keep_freed_host_memory() -> bool:
 
 
 def release_freed_host_memory() -> bool:
-    """Give the memory glibc holds free back to the system (``malloc_trim``); ``False`` without glibc."""
+    """Give the host memory kept free back to the system: the free :class:`LargeHostBlocks`, and what glibc
+    holds (``malloc_trim``); ``False`` without glibc."""
+    if _large_blocks is not None:
+        _large_blocks.release()
     libc = _glibc()
     if libc is None:
         return False
     libc.malloc_trim(0)
     return True
+
+
+#: host tensors of at least this many bytes that the CPU ops make come from :class:`LargeHostBlocks` (glibc's
+#: largest mmap threshold: the heap holds smaller ones between steps in any thread)
+LARGE_HOST_BYTES = 32 << 20
+
+
+class LargeHostBlocks:
+    """Mappings for the largest host tensors the CPU ops make (a prefill's MLP activations), kept between steps.
+
+    A thread other than the main one allocates from an arena of its own,
+    which glibc grows in heaps of 64 MiB: a block larger than that is mapped
+    on its own and unmapped when freed, whatever :func:`keep_freed_host_memory`
+    set. The server's engine loop and a fleet replica's run the steps in such
+    a thread, so there a prefill step faulted its largest activations in
+    afresh every time: a 1.5B Qwen2-shaped model in bf16 (gate-up outputs of
+    73 MB at 2048 tokens) took ~160 000 minor faults a 2048-token prefill of
+    8 of its layers and ran at 0.85x the tokens a second of the main thread.
+    Here such a tensor is a view of a mapping in huge pages (see
+    :func:`host_buffer`); when its last view dies the mapping goes to a free
+    list, and the next request that fits takes the smallest free mapping that
+    holds it. Up to ``keep_bytes`` of free mappings are kept, the oldest
+    unmapped beyond that; :meth:`release` unmaps them all.
+    """
+
+    def __init__(self, keep_bytes: int = HOST_KEEP_BYTES) -> None:
+        self.keep_bytes = keep_bytes
+        self._lock = threading.Lock()
+        #: free mappings, oldest first, each with its 2 MiB boundary's offset and the bytes from there
+        self._free: list[tuple[mmap.mmap, int, int]] = []
+        #: mappings whose last view died, not yet in the free list: a view can die in any thread, inside this
+        #: thread's locked section too (a garbage collection there), so it only queues its mapping
+        self._returned: collections.deque[tuple[mmap.mmap, int, int]] = collections.deque()
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host tensor of ``nbytes`` on a kept mapping, or on a new one when none free holds it."""
+        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        with self._lock:
+            dropped = self._settle()
+            fits = [entry for entry in self._free if entry[2] >= size]
+            found = min(fits, key=lambda entry: entry[2]) if fits else None
+            if found is not None:
+                self._free.remove(found)
+        for old in dropped:
+            old.close()
+        region, skip, held = found if found is not None else (*_huge_page_mapping(size), size)
+        lease = memoryview(region)  # its last holder is the tensor's storage: dead with the last view
+        weakref.finalize(lease, self._returned.append, (region, skip, held)).atexit = False
+        return torch.frombuffer(lease, dtype=torch.uint8, count=nbytes, offset=skip)
+
+    def free_bytes(self) -> int:
+        """Bytes of the mappings kept free."""
+        with self._lock:
+            dropped = self._settle()
+            free = sum(held for _, _, held in self._free)
+        for old in dropped:
+            old.close()
+        return free
+
+    def release(self) -> None:
+        """Unmap every free mapping."""
+        with self._lock:
+            self._settle()
+            free, self._free = self._free, []
+        for region, _, _ in free:
+            region.close()
+
+    def _settle(self) -> list[mmap.mmap]:
+        """The returned mappings into the free list, and out of it the oldest beyond ``keep_bytes`` (under the
+        lock; the caller unmaps them after it)."""
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        dropped, kept = [], sum(held for _, _, held in self._free)
+        while kept > self.keep_bytes:
+            old, _, held = self._free.pop(0)
+            dropped.append(old)
+            kept -= held
+        return dropped
+
+
+#: the process's large host blocks, once the ``caching`` plugin keeps freed host memory (:func:`host_empty`)
+_large_blocks: LargeHostBlocks | None = None
+_large_blocks_made = threading.Lock()
+
+
+def keep_large_host_blocks() -> LargeHostBlocks:
+    """Have :func:`host_empty` take large tensors from the process's :class:`LargeHostBlocks` (made once)."""
+    global _large_blocks
+    with _large_blocks_made:
+        if _large_blocks is None:
+            _large_blocks = LargeHostBlocks()
+    return _large_blocks
+
+
+def host_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the host, for a CPU op's output: from :class:`LargeHostBlocks`
+    where it is at least :data:`LARGE_HOST_BYTES` and the ``caching`` plugin keeps freed host memory.
+
+    Not while a torch dispatch mode watches (``cpu_capture`` recording a step): there the allocation must be
+    one the mode sees, so that the captured step lays the buffer out in its arena.
+    """
+    blocks = _large_blocks
+    nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
+    if blocks is None or nbytes < LARGE_HOST_BYTES or _get_current_dispatch_mode() is not None:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return blocks.empty(nbytes).view(dtype).view(tuple(shape))
 
 
 class _Block:
@@ -281,6 +403,7 @@ def _layout(config: Any) -> dict[str, int]:
 
 def make_caching(*, config: Any, device: Device) -> CachingAllocator:
     keep_freed_host_memory()
+    keep_large_host_blocks()
     return CachingAllocator(device=device, **_layout(config))
 
 
