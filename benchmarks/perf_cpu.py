@@ -140,6 +140,7 @@ class Shape:
 
 
 SHAPES = {"0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936),
+          "1.5b": Shape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936),
           "small": Shape(hidden=256, layers=4, heads=8, kv_heads=2, intermediate=768, vocab=32000)}
 DTYPES = {"bfloat16": ("bfloat16", None), "float32": ("float32", None), "int8": ("bfloat16", "int8")}
 
