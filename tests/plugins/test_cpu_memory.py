@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kunlun_infer import DeviceOutOfMemoryError
+from kunlun_infer.engine import host_malloc
 from kunlun_infer.plugins import cpu_gemm, cpu_memory
 from kunlun_infer.plugins.cpu_device import CpuDevice
 from kunlun_infer.plugins.cpu_memory import CachingAllocator, SimpleAllocator
@@ -120,7 +121,7 @@ def _transparent_huge_pages_always() -> bool:
         return False
 
 
-@pytest.mark.skipif(cpu_memory._glibc() is None, reason="the host allocator's policy is glibc's (mallopt)")
+@pytest.mark.skipif(host_malloc.glibc() is None, reason="the host allocator's policy is glibc's (mallopt)")
 def test_caching_plugin_has_the_next_steps_activations_reuse_the_last_ones_pages():
     caching, plain = _steps("caching"), _steps("plain")
     step_pages = (148 << 20) // resource.getpagesize()

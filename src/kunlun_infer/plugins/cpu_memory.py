@@ -17,8 +17,6 @@ leaving the process to the operating system's OOM killer.
 from __future__ import annotations
 
 import collections
-import ctypes
-import functools
 import logging
 import math
 import mmap
@@ -32,6 +30,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kunlun_infer.version import __version__
 from kunlun_infer.capabilities import Device, MemoryAllocator, MemoryStats
+from kunlun_infer.engine import host_malloc
 from kunlun_infer.errors import DeviceOutOfMemoryError
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.plugins.cpu_device import stack_versions
@@ -86,19 +85,6 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 HOST_KEEP_BYTES = 512 << 20
 
 
-@functools.cache
-def _glibc() -> Any:
-    """The process's C library where it is glibc (``mallopt``, ``malloc_trim``), else ``None``; looked up once."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - present in glibc alone
-        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
 def keep_freed_host_memory() -> bool:
     """Have glibc keep the memory torch's host tensors free, for the next ones; ``False`` where the C library is
     not glibc (nothing changes there).
@@ -123,7 +109,7 @@ def keep_freed_host_memory() -> bool:
     for as long as the process runs (:func:`release_freed_host_memory` gives
     back what is free meanwhile).
     """
-    libc = _glibc()
+    libc = host_malloc.glibc()
     if libc is None:
         return False
     kept = all(libc.mallopt(param, value) == 1 for param, value in (
@@ -138,7 +124,7 @@ def release_freed_host_memory() -> bool:
     holds (``malloc_trim``); ``False`` without glibc."""
     if _large_blocks is not None:
         _large_blocks.release()
-    libc = _glibc()
+    libc = host_malloc.glibc()
     if libc is None:
         return False
     libc.malloc_trim(0)

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kunlun_infer.config import check_ranges
-from kunlun_infer.engine import heap
+from kunlun_infer.engine import heap, host_malloc
 from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.server.app import build_app
@@ -55,6 +55,7 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(config: DictConfig, *, on_ready: Any = None) -> None:
     """Build the engine for ``config`` and serve it until interrupted. ``on_ready(host, port)`` once bound."""
     check_ranges(config)
+    host_malloc.one_host_arena()  # the engine loop's thread allocates from the main arena (before any thread works)
     sock = bind(str(config.server.host), int(config.server.port))
     try:
         engine = LLMEngine.from_config(config)
