@@ -145,8 +145,9 @@ class LargeHostBlocks:
     set. The server's engine loop and a fleet replica's run the steps in such
     a thread, so there a prefill step faulted its largest activations in
     afresh every time: a 1.5B Qwen2-shaped model in bf16 (gate-up outputs of
-    73 MB at 2048 tokens) took ~160 000 minor faults a 2048-token prefill of
-    8 of its layers and ran at 0.85x the tokens a second of the main thread.
+    73 MB at 2048 tokens) took ~1 000 000 minor faults to prefill 32 prompts
+    in a thread, at 0.80x the main thread's tokens a second (497 against 624;
+    ``benchmarks/host_memory.py --model 1.5b --thread``).
     Here such a tensor is a view of a mapping in huge pages (see
     :func:`host_buffer`); when its last view dies the mapping goes to a free
     list, and the next request that fits takes the smallest free mapping that
