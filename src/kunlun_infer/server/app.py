@@ -66,7 +66,8 @@ class ServerState:
     dispatcher, whose ``engine`` is the fleet's front: tokenizer, limits and request checks).
     """
 
-    def __init__(self, engine: Any, *, model_name: str, max_queue: int, loop: Any = None) -> None:
+    def __init__(self, engine: Any, *, model_name: str, max_queue: int, loop: Any = None,
+                 engine_thread: bool = True) -> None:
         self.engine = engine
         server_config = getattr(getattr(engine, "config", None), "server", None)
         self.tool_call_parser = server_config.get("tool_call_parser") if server_config is not None else None
@@ -75,7 +76,8 @@ class ServerState:
                               f"the chat template), got {self.tool_call_parser!r}")
         self.model_name = model_name
         self.metrics = ServerMetrics(lambda: self.loop.stats, lambda: self.loop.num_queued)
-        self.loop = EngineLoop(engine, max_queue=max_queue, metrics=self.metrics) if loop is None else loop
+        self.loop = EngineLoop(engine, max_queue=max_queue, metrics=self.metrics, thread=engine_thread) \
+            if loop is None else loop
         self.token_text = TokenText(engine.tokenizer)
         self.created = int(time.time())
         self._chat_template: Any = None
@@ -133,13 +135,14 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def build_app(engine: Any, *, model_name: str, max_queue: int = 256, close_engine: bool = False,
-              loop: Any = None) -> FastAPI:
+              loop: Any = None, engine_thread: bool = True) -> FastAPI:
     """An app serving ``engine`` (started and stopped with the app's lifespan; closed too if ``close_engine``).
 
     ``loop``: a running loop of the engine's surface to serve instead (a fleet's dispatcher); whoever made it
-    starts and stops it, the app only closes ``engine`` if ``close_engine``.
+    starts and stops it, the app only closes ``engine`` if ``close_engine``. ``engine_thread=False``: the
+    app's :class:`EngineLoop` steps in the thread that calls its ``run_here`` (``server.runner.run_app``).
     """
-    state = ServerState(engine, model_name=model_name, max_queue=max_queue, loop=loop)
+    state = ServerState(engine, model_name=model_name, max_queue=max_queue, loop=loop, engine_thread=engine_thread)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

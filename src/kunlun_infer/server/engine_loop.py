@@ -88,9 +88,13 @@ def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
 
 
 class EngineLoop:
-    """Owns the thread that steps ``engine``; thread-safe ``submit``/``abort`` for the HTTP side."""
+    """Steps ``engine`` in one thread; thread-safe ``submit``/``abort`` for the HTTP side.
 
-    def __init__(self, engine: Any, *, max_queue: int, metrics: Any = None) -> None:
+    That thread is the loop's own (:meth:`start` starts it), or with ``thread=False`` the one that calls
+    :meth:`run_here` (``kunlun-infer serve`` steps on its process's main thread: see ``server/runner.py``).
+    """
+
+    def __init__(self, engine: Any, *, max_queue: int, metrics: Any = None, thread: bool = True) -> None:
         self.engine = engine
         #: the engine's stats after the latest step (read by /metrics and /health; its limits by the handlers)
         self.stats: dict[str, Any] = dict(engine.stats())
@@ -105,7 +109,10 @@ class EngineLoop:
         self._in_flight: set[Submission] = set()
         #: the requests the engine took, by the id it gave them (loop thread only)
         self._by_request_id: dict[str, Submission] = {}
-        self._thread = threading.Thread(target=self._run, name="kunlun-infer-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kunlun-infer-engine-loop", daemon=True) \
+            if thread else None
+        #: set by :meth:`start`, and once the loop has stopped stepping (it ran in :meth:`run_here`)
+        self._started, self._finished = threading.Event(), threading.Event()
         #: why the loop stopped serving, if it failed
         self.failure: str | None = None
         #: the error of the latest failed step (its requests were aborted)
@@ -116,11 +123,27 @@ class EngineLoop:
     # ------------------------------------------------------------------ the HTTP side (any thread)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start stepping: in the loop's own thread, or in the one waiting in :meth:`run_here`."""
+        if self._thread is not None:
+            self._thread.start()
+        self._started.set()
+
+    def run_here(self, keep_waiting: Any) -> None:
+        """Step the engine in the calling thread (a loop made with ``thread=False``) from :meth:`start` until
+        :meth:`shutdown`; returns at once, having stepped nothing, if ``keep_waiting()`` turns false first."""
+        while not self._started.wait(0.2):
+            if not keep_waiting():
+                return
+        try:
+            self._run()
+        finally:
+            self._finished.set()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.failure is None and not self._stopping
+        running = self._thread.is_alive() if self._thread is not None else \
+            self._started.is_set() and not self._finished.is_set()
+        return running and self.failure is None and not self._stopping
 
     @property
     def num_queued(self) -> int:
@@ -173,7 +196,10 @@ class EngineLoop:
             self._stopping = True
             self._aborts.extend(self._in_flight)
         self._wakeup.set()
-        if self._thread.is_alive():
+        if self._thread is None:
+            if self._started.is_set():
+                self._finished.wait(timeout_s)
+        elif self._thread.is_alive():
             self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------ the loop thread

@@ -1,0 +1,56 @@
+"""``kunlun-infer serve`` steps its engine on the process's main thread, with uvicorn in a thread of its own, and
+stops on SIGINT/SIGTERM as before (``server.runner.run_app`` with the app's engine loop)."""
+
+import signal
+import socket
+import threading
+
+import httpx
+import pytest
+
+from kunlun_infer import SamplingParams
+from kunlun_infer.errors import KunlunInferError
+
+from kunlun_infer.server import build_app
+from kunlun_infer.server.runner import run_app
+from tests.server.harness import engine_for
+
+
+def test_serve_steps_on_the_main_thread_and_stops_on_sigterm(chat_folder):
+    assert threading.current_thread() is threading.main_thread()  # as `kunlun-infer serve` runs it
+    engine = engine_for(chat_folder)
+    stepped_in: set[str] = set()
+    step = engine.step
+
+    def recording_step():
+        stepped_in.add(threading.current_thread().name)
+        return step()
+
+    engine.step = recording_step
+    app = build_app(engine, model_name="tiny-chat", close_engine=True, engine_thread=False)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    ready, answers = threading.Event(), []
+    before = signal.getsignal(signal.SIGTERM)
+
+    def client():
+        ready.wait(60)
+        try:
+            answers.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                                      json={"model": "tiny-chat", "prompt": "hi", "max_tokens": 3}))
+        finally:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+    port = sock.getsockname()[1]
+    helper = threading.Thread(target=client)
+    helper.start()
+    run_app(app, sock, "tiny-chat", on_ready=lambda *_: ready.set(), engine_loop=app.state.server.loop)
+    helper.join(60)
+    assert answers and answers[0].status_code == 200, answers
+    assert len(answers[0].json()["choices"][0]["text"]) > 0
+    assert stepped_in == {threading.main_thread().name}
+    assert signal.getsignal(signal.SIGTERM) is before  # the server's handlers are gone with it
+    assert sock.fileno() == -1  # the socket closed, and the engine with the app's lifespan:
+    with pytest.raises(KunlunInferError, match="closed"):
+        engine.add_request("hi", SamplingParams(max_tokens=1))
