@@ -69,7 +69,7 @@ def test_the_http_server_holds_the_heap_while_it_serves(tiny_model, monkeypatch)
 
     seen = {}
 
-    def run_app(app, sock, model_name, *, on_ready=None):
+    def run_app(app, sock, model_name, *, on_ready=None, engine_loop=None):
         seen["holders"], seen["frozen"] = heap.num_holders(), gc.get_freeze_count()
 
     monkeypatch.setattr(runner, "run_app", run_app)

@@ -4,6 +4,7 @@ stops on SIGINT/SIGTERM as before (``server.runner.run_app`` with the app's engi
 import signal
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -54,3 +55,46 @@ def test_serve_steps_on_the_main_thread_and_stops_on_sigterm(chat_folder):
     assert sock.fileno() == -1  # the socket closed, and the engine with the app's lifespan:
     with pytest.raises(KunlunInferError, match="closed"):
         engine.add_request("hi", SamplingParams(max_tokens=1))
+
+
+def test_a_second_signal_stops_at_once_with_a_request_running(chat_folder):
+    # uvicorn's forced exit skips the app's lifespan shutdown: the engine loop on the main thread must stop anyway
+    engine = engine_for(chat_folder)
+    steps = threading.Semaphore(0)
+    step = engine.step
+
+    def counting_step():
+        steps.release()
+        time.sleep(0.02)  # a request of 400 tokens takes 8 s: longer than the test waits for it
+        return step()
+
+    engine.step = counting_step
+    app = build_app(engine, model_name="tiny-chat", close_engine=True, engine_thread=False)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    port, ready, outcome = sock.getsockname()[1], threading.Event(), []
+
+    def long_request():
+        ready.wait(60)
+        try:
+            outcome.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+                "model": "tiny-chat", "prompt": "hi", "max_tokens": 400, "ignore_eos": True}).status_code)
+        except httpx.HTTPError as exc:
+            outcome.append(type(exc).__name__)
+
+    def stopper():
+        for _ in range(5):  # the request is being generated
+            steps.acquire(timeout=60)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a graceful stop would wait for it
+        time.sleep(0.5)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # the second: at once
+
+    helpers = [threading.Thread(target=long_request), threading.Thread(target=stopper)]
+    for helper in helpers:
+        helper.start()
+    run_app(app, sock, "tiny-chat", on_ready=lambda *_: ready.set(), engine_loop=app.state.server.loop)
+    for helper in helpers:
+        helper.join(60)
+    assert outcome and outcome[0] != 200, outcome  # cut off, not served to the end
+    assert steps._value < 400 and not app.state.server.loop.alive

@@ -100,15 +100,26 @@ def run_app(app: Any, sock: socket.socket, model_name: str, *, on_ready: Any = N
             with _stop_signals_end_quietly():
                 server.run(sockets=[sock])
             return
-        http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kunlun-infer-http",
-                                daemon=True)
+        failed: list[BaseException] = []
+
+        def run_http() -> None:
+            try:
+                server.run(sockets=[sock])
+            except BaseException as exc:  # noqa: BLE001 - raised again in the calling thread
+                failed.append(exc)
+            finally:  # a forced exit skips the lifespan's shutdown: the engine loop stops here then
+                engine_loop.shutdown(timeout_s=0)
+
+        http = threading.Thread(target=run_http, name="kunlun-infer-http", daemon=True)
         with _stop_signals_stop(server):
             http.start()
             if on_ready is not None:
                 on_ready(host, port)
-            engine_loop.run_here(http.is_alive)  # until the app's lifespan shuts the loop down
+            engine_loop.run_here(http.is_alive)  # until the loop is shut down
             while http.is_alive():  # uvicorn finishing its shutdown (or serving on after the engine failed)
                 http.join(0.2)
+        if failed:
+            raise failed[0]
     finally:
         sock.close()
 
