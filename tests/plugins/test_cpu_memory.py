@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from kunlun_infer import DeviceOutOfMemoryError
-from kunlun_infer.engine import host_malloc
 from kunlun_infer.plugins import cpu_gemm, cpu_memory
 from kunlun_infer.plugins.cpu_device import CpuDevice
 from kunlun_infer.plugins.cpu_memory import CachingAllocator, SimpleAllocator
@@ -121,7 +120,7 @@ def _transparent_huge_pages_always() -> bool:
         return False
 
 
-@pytest.mark.skipif(host_malloc.glibc() is None, reason="the host allocator's policy is glibc's (mallopt)")
+@pytest.mark.skipif(cpu_memory._glibc() is None, reason="the host allocator's policy is glibc's (mallopt)")
 def test_caching_plugin_has_the_next_steps_activations_reuse_the_last_ones_pages():
     caching, plain = _steps("caching"), _steps("plain")
     step_pages = (148 << 20) // resource.getpagesize()
@@ -133,7 +132,7 @@ def test_caching_plugin_has_the_next_steps_activations_reuse_the_last_ones_pages
     assert caching["kept"] - caching["after_empty_cache"] > (100 << 20), caching
 
 
-# A prefill's MLP in the thread that steps the engine (the server's engine loop is one): the native GEMM's gate-up
+# A prefill's MLP in a thread that steps the engine (a fleet replica's engine loop is one): the native GEMM's gate-up
 # outputs (2048 x 18944 bf16, 74 MiB) and SwiGLU's (37 MiB), step after step; prints the page faults of three steps
 # after two, and whether each step's outputs held the right values (argv[1] as in _STEPS).
 _THREAD_STEPS = """

@@ -17,6 +17,8 @@ leaving the process to the operating system's OOM killer.
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import logging
 import math
 import mmap
@@ -30,7 +32,6 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kunlun_infer.version import __version__
 from kunlun_infer.capabilities import Device, MemoryAllocator, MemoryStats
-from kunlun_infer.engine import host_malloc
 from kunlun_infer.errors import DeviceOutOfMemoryError
 from kunlun_infer.hookspecs import PluginInfo, hookimpl
 from kunlun_infer.plugins.cpu_device import stack_versions
@@ -85,6 +86,19 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 HOST_KEEP_BYTES = 512 << 20
 
 
+@functools.cache
+def _glibc() -> Any:
+    """The process's C library where it is glibc (``mallopt``, ``malloc_trim``), else ``None``; looked up once."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - present in glibc alone
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_host_memory() -> bool:
     """Have glibc keep the memory torch's host tensors free, for the next ones; ``False`` where the C library is
     not glibc (nothing changes there).
@@ -102,14 +116,14 @@ def keep_freed_host_memory() -> bool:
     hundred faults. Blocks up to 32 MiB (glibc's largest mmap threshold)
     from the heap and the larger ones mapped had left 2 processes of 62
     mapping the 40 MiB gate-up outputs afresh every step, as before. A thread
-    that allocates from an arena of its own (the server's engine loop does)
+    that allocates from an arena of its own (a fleet replica's engine loop does)
     grows it in heaps of 64 MiB, so blocks larger than that are still mapped
     there each time; the CPU ops take their largest outputs from
     :class:`LargeHostBlocks` instead. The setting is the process's; it stays
     for as long as the process runs (:func:`release_freed_host_memory` gives
     back what is free meanwhile).
     """
-    libc = host_malloc.glibc()
+    libc = _glibc()
     if libc is None:
         return False
     kept = all(libc.mallopt(param, value) == 1 for param, value in (
@@ -124,7 +138,7 @@ def release_freed_host_memory() -> bool:
     holds (``malloc_trim``); ``False`` without glibc."""
     if _large_blocks is not None:
         _large_blocks.release()
-    libc = host_malloc.glibc()
+    libc = _glibc()
     if libc is None:
         return False
     libc.malloc_trim(0)
@@ -142,9 +156,10 @@ class LargeHostBlocks:
     A thread other than the main one allocates from an arena of its own,
     which glibc grows in heaps of 64 MiB: a block larger than that is mapped
     on its own and unmapped when freed, whatever :func:`keep_freed_host_memory`
-    set. The server's engine loop and a fleet replica's run the steps in such
-    a thread, so there a prefill step faulted its largest activations in
-    afresh every time: a 1.5B Qwen2-shaped model in bf16 (gate-up outputs of
+    set. A fleet replica's engine loop runs the steps in such a thread (as
+    the server's did before it stepped on its main thread, and as an
+    application may), so there a prefill step faulted its largest
+    activations in afresh every time: a 1.5B Qwen2-shaped model in bf16 (gate-up outputs of
     73 MB at 2048 tokens) took ~1 000 000 minor faults to prefill 32 prompts
     in a thread, at 0.80x the main thread's tokens a second (497 against 624;
     ``benchmarks/host_memory.py --model 1.5b --thread``).

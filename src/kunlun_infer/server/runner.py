@@ -10,9 +10,10 @@ libraries do best: libgomp counts the process's first thread among the
 threads it manages, so a second thread that runs parallel regions (each
 native kernel is one) makes it think there are more threads than CPUs, and
 its workers then sleep between regions instead of spinning for the next;
-and glibc's main arena keeps the large blocks a step frees (see
-``engine/host_malloc.py``). The 0.5B model in bf16, a decode step stepped in
-a thread against the main thread: 1.2x the time at one sequence, 1.3x at 32.
+and glibc's main arena keeps the large blocks a step frees, where another
+thread's arena maps each block over 64 MiB afresh (``plugins/cpu_memory.py``).
+The 0.5B model in bf16, a decode step stepped in a thread against the main
+thread: 1.2x the time at one sequence, 1.3x at 32.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kunlun_infer.config import check_ranges
-from kunlun_infer.engine import heap, host_malloc
+from kunlun_infer.engine import heap
 from kunlun_infer.engine.engine import LLMEngine
 from kunlun_infer.errors import ConfigError
 from kunlun_infer.server.app import build_app
@@ -65,7 +66,6 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(config: DictConfig, *, on_ready: Any = None) -> None:
     """Build the engine for ``config`` and serve it until interrupted. ``on_ready(host, port)`` once bound."""
     check_ranges(config)
-    host_malloc.one_host_arena()  # the engine loop's thread allocates from the main arena (before any thread works)
     sock = bind(str(config.server.host), int(config.server.port))
     try:
         engine = LLMEngine.from_config(config)
