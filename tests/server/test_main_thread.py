@@ -17,21 +17,28 @@ from kunlun_infer.server.runner import run_app
 from tests.server.harness import engine_for
 
 
-def test_serve_steps_on_the_main_thread_and_stops_on_sigterm(chat_folder):
-    assert threading.current_thread() is threading.main_thread()  # as `kunlun-infer serve` runs it
-    engine = engine_for(chat_folder)
-    stepped_in: set[str] = set()
+def _app_on_a_socket(engine, on_step):
+    """An app over ``engine`` whose loop steps in the thread that runs it (``on_step()`` before each step), and a
+    bound loopback socket for it."""
     step = engine.step
 
-    def recording_step():
-        stepped_in.add(threading.current_thread().name)
+    def watched_step():
+        on_step()
         return step()
 
-    engine.step = recording_step
+    engine.step = watched_step
     app = build_app(engine, model_name="tiny-chat", close_engine=True, engine_thread=False)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
+    return app, sock
+
+
+def test_serve_steps_on_the_main_thread_and_stops_on_sigterm(chat_folder):
+    assert threading.current_thread() is threading.main_thread()  # as `kunlun-infer serve` runs it
+    engine = engine_for(chat_folder)
+    stepped_in: set[str] = set()
+    app, sock = _app_on_a_socket(engine, lambda: stepped_in.add(threading.current_thread().name))
     ready, answers = threading.Event(), []
     before = signal.getsignal(signal.SIGTERM)
 
@@ -61,18 +68,12 @@ def test_a_second_signal_stops_at_once_with_a_request_running(chat_folder):
     # uvicorn's forced exit skips the app's lifespan shutdown: the engine loop on the main thread must stop anyway
     engine = engine_for(chat_folder)
     steps = threading.Semaphore(0)
-    step = engine.step
 
     def counting_step():
         steps.release()
         time.sleep(0.02)  # a request of 400 tokens takes 8 s: longer than the test waits for it
-        return step()
 
-    engine.step = counting_step
-    app = build_app(engine, model_name="tiny-chat", close_engine=True, engine_thread=False)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
+    app, sock = _app_on_a_socket(engine, counting_step)
     port, ready, outcome = sock.getsockname()[1], threading.Event(), []
 
     def long_request():
