@@ -91,13 +91,9 @@ def gather_prompt_logprobs(logits: torch.Tensor, seqs: Seq[Sequence], spans: lis
     for start in range(0, len(targets), SCORE_ROWS):
         logprobs = torch.log_softmax(logits[start:start + SCORE_ROWS].float(), dim=-1)
         chosen += logprobs.gather(1, target_ids[start:start + SCORE_ROWS].unsqueeze(1)).squeeze(1).tolist()
-        if width:
-            values, ids = logprobs.topk(width, dim=-1)
-            top_values += values.tolist()
-            top_ids += ids.tolist()
-        else:
-            top_values += [[]] * len(logprobs)
-            top_ids += [[]] * len(logprobs)
+        values, ids = logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0])
+        top_values += values.tolist()
+        top_ids += ids.tolist()
     result = []
     k = 0
     for span, n in zip(spans, widths):

@@ -159,11 +159,11 @@ class LargeHostBlocks:
     set. A fleet replica's engine loop runs the steps in such a thread (as
     the server's did before it stepped on its main thread, and as an
     application may), so there a prefill step faulted its largest
-    activations in afresh every time: a 1.5B Qwen2-shaped model in bf16 (gate-up outputs of
-    73 MB at 2048 tokens) took ~1 000 000 minor faults to prefill 32 prompts
-    in a thread, at 0.80x the main thread's tokens a second (497 against 624;
-    ``benchmarks/host_memory.py --model 1.5b --thread``).
-    Here such a tensor is a view of a mapping in huge pages (see
+    activations in afresh every time: a 1.5B Qwen2-shaped model in bf16
+    (gate-up outputs of 73 MB at 2048 tokens) took ~1 000 000 minor faults to
+    prefill 32 prompts in a thread, at 0.80x the main thread's tokens a
+    second (497 against 624; ``benchmarks/host_memory.py --model 1.5b
+    --thread``). Here such a tensor is a view of a mapping in huge pages (see
     :func:`host_buffer`); when its last view dies the mapping goes to a free
     list, and the next request that fits takes the smallest free mapping that
     holds it. Up to ``keep_bytes`` of free mappings are kept, the oldest

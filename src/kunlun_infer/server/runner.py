@@ -97,7 +97,8 @@ def run_app(app: Any, sock: socket.socket, model_name: str, *, on_ready: Any = N
         if engine_loop is None:
             if on_ready is not None:
                 on_ready(host, port)
-            with _stop_signals_end_quietly():
+            # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown: a stop asked for is a clean exit
+            with _on_stop_signals(lambda *_: None):
                 server.run(sockets=[sock])
             return
         failed: list[BaseException] = []
@@ -111,7 +112,7 @@ def run_app(app: Any, sock: socket.socket, model_name: str, *, on_ready: Any = N
                 engine_loop.shutdown(timeout_s=0)
 
         http = threading.Thread(target=run_http, name="kunlun-infer-http", daemon=True)
-        with _stop_signals_stop(server):
+        with _on_stop_signals(_stopper(server)):
             http.start()
             if on_ready is not None:
                 on_ready(host, port)
@@ -124,38 +125,29 @@ def run_app(app: Any, sock: socket.socket, model_name: str, *, on_ready: Any = N
         sock.close()
 
 
-@contextlib.contextmanager
-def _stop_signals_stop(server: Any) -> Iterator[None]:
-    """SIGINT/SIGTERM stop ``server`` (uvicorn in another thread, which cannot take signals) as it would stop
-    itself: the first gracefully, another at once. Only the main thread takes signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _stopper(server: Any) -> Any:
+    """A handler with which SIGINT/SIGTERM stop ``server`` (uvicorn in another thread, which cannot take signals)
+    as it would stop itself: the first gracefully, another at once."""
 
     def stop(*_: Any) -> None:
         if server.should_exit:
             server.force_exit = True
         server.should_exit = True
 
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, stop) for sig in stops}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return stop
 
 
 @contextlib.contextmanager
-def _stop_signals_end_quietly() -> Iterator[None]:
-    """After uvicorn's graceful shutdown it re-raises SIGINT/SIGTERM; a stop asked for is a clean exit."""
+def _on_stop_signals(handler: Any) -> Iterator[None]:
+    """SIGINT/SIGTERM go to ``handler`` while the block runs, where the calling thread is the main one (only it
+    takes signals); the handlers before are put back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stops}
+    previous = {sig: signal.signal(sig, handler) for sig in stops}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, before in previous.items():
+            signal.signal(sig, before)
