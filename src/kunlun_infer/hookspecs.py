@@ -181,6 +181,19 @@ Changes
     steps on every rank, in lockstep. A 1.8 comm plugin has no such
     property, gets ``False``, and its tensor-parallel steps run eagerly as
     before.
+    1.10 — the op table gains ``sample_tokens(logits, temperature, top_k,
+    top_p, min_p, uniforms)``: each row's token (int64), its argmax where
+    the temperature is 0, else drawn from its temperature's softmax kept to
+    its top-k / top-p nucleus and ``min_p``, by inverse transform with two
+    uniforms a row (a block of 1024 tokens, then a token in it; the
+    reference in ``ops/reference.py`` is the definition, and its
+    conformance samples put each uniform mid-way through a token's share).
+    The engine's sampler draws every sampled row of a step through it where
+    the ops plugin has one; penalties, logit biases and grammar masks are
+    applied to the logits before. It is asked for apart from the model's
+    ops, like ``greedy_tokens``: a provider without it is not refused under
+    ``ops.strict``, and the sampler draws those rows itself as before, so a
+    1.9 plugin loads and runs unchanged.
 """
 
 from __future__ import annotations
@@ -198,7 +211,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 #: pluggy project name and entry-point group
 PROJECT_NAME = "kunlun_infer"
 #: version of this contract, ``(major, minor)``
-HOOK_API_VERSION: tuple[int, int] = (1, 9)
+HOOK_API_VERSION: tuple[int, int] = (1, 10)
 HOOK_API_VERSION_STR = "{}.{}".format(*HOOK_API_VERSION)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

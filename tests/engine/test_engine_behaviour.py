@@ -52,6 +52,25 @@ def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(tiny_mode
     assert other_seed != alone
 
 
+def test_a_steps_sampled_rows_are_drawn_in_one_call_of_the_cpu_ops_pass(tiny_model, make_llm, monkeypatch):
+    """On the CPU every row of a step with a sampled one goes to the ``cpu`` ops' ``sample_tokens`` (hook API 1.10)
+    in one call, greedy rows among them taking their argmax there: they decode as they do alone."""
+    from kunlun_infer.plugins import cpu_kernels
+
+    calls = []
+    native = cpu_kernels.sample_tokens
+    monkeypatch.setattr(cpu_kernels, "sample_tokens", lambda *args: calls.append(args[0].shape[0]) or native(*args))
+    llm = make_llm(tiny_model("qwen2"))
+    prompts = random_prompts(4, 12, seed=9)
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40)
+    outs = llm.generate(prompts, [greedy, sampled, greedy, sampled], use_tqdm=False)
+    assert calls and max(calls) == 4
+    calls.clear()
+    assert llm.generate([prompts[2]], greedy, use_tqdm=False)[0].token_ids == outs[2].token_ids
+    assert calls == []  # greedy alone: the argmax pass, no draw
+
+
 def test_shared_prefix_workload_hits_the_cache_and_matches_uncached(tiny_model, make_llm):
     folder = tiny_model("llama")
     system = random_prompts(1, 64, seed=5)[0]

@@ -10,11 +10,13 @@ from kunlun_infer.engine.sampler import (
     DRAW_BLOCK,
     EXP_FLOOR,
     Sampler,
-    apply_top_k_top_p,
     draw_from,
+    keep_top_k_top_p,
     keep_top_p,
     mass_threshold,
 )
+from kunlun_infer.plugins import cpu_kernels
+from tests.kernel_sets import kernel_set  # noqa: F401 - fixture
 
 
 def sampler(seed=0, waits_are_free=False):
@@ -54,18 +56,23 @@ def test_greedy_takes_the_first_of_tied_maxima_and_a_nan_as_argmax_does():
 
 
 def test_top_k_keeps_only_the_k_best():
-    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
-    filtered = apply_top_k_top_p(logits, torch.tensor([2]), None)
-    assert torch.isfinite(filtered).tolist() == [[False, True, False, True, False]]
+    weights = torch.tensor([[0.1, 0.4, 0.2, 0.3, 0.05]])
+    filtered = keep_top_k_top_p(weights, torch.tensor([2]), torch.tensor([1.0]))
+    assert (filtered > 0).tolist() == [[False, True, False, True, False]]
+    # the k-th token's ties all stay
+    tied = keep_top_k_top_p(torch.tensor([[0.1, 0.4, 0.3, 0.3, 0.05]]), torch.tensor([2]), torch.tensor([1.0]))
+    assert (tied > 0).tolist() == [[False, True, True, True, False]]
 
 
 def test_top_p_keeps_the_smallest_nucleus():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    filtered = apply_top_k_top_p(probs.log(), None, torch.tensor([0.75]))
-    assert torch.isfinite(filtered).tolist() == [[True, True, False, False]]
+    off = torch.tensor([0])
+    assert (keep_top_k_top_p(probs, off, torch.tensor([0.75])) > 0).tolist() == [[True, True, False, False]]
     # a tiny top_p still keeps the most likely token
-    filtered = apply_top_k_top_p(probs.log(), None, torch.tensor([1e-6]))
-    assert torch.isfinite(filtered).tolist() == [[True, False, False, False]]
+    assert (keep_top_k_top_p(probs, off, torch.tensor([1e-6])) > 0).tolist() == [[True, False, False, False]]
+    # of tokens tied at the threshold, the first in column order, as many as the mass asks for
+    flat = torch.full((1, 4), 0.25)
+    assert (keep_top_k_top_p(flat, off, torch.tensor([0.6])) > 0).tolist() == [[True, True, True, False]]
     # the same without a sort (a vocabulary narrower than every candidate width: the mass threshold)
     for top_p, kept in ((0.75, [True, True, False, False]), (1e-6, [True, False, False, False])):
         dist = sampler(waits_are_free=True).distribution(probs.log(), [SamplingParams(top_p=top_p)])
@@ -353,3 +360,38 @@ def test_a_sampled_row_never_draws_a_token_biased_by_minus_100():
     draws = [sampler(seed)(logits, params, [None]).token_ids[0] for seed in range(200)]
     assert 2 not in draws
     assert draws.count(0) > draws.count(1) and draws.count(0) > draws.count(3)  # +2 makes token 0 ~7x as likely
+
+
+def test_an_ops_sample_tokens_draws_what_the_sampler_draws_itself(kernel_set):
+    """Where the ops plugin has ``sample_tokens`` (hook API 1.10; the ``cpu`` ops, on every kernel set this CPU
+    runs, and torch's where none is built) the sampler draws every sampled row through it, and a step's tokens and
+    logprobs are those of the sampler's own draw: greedy rows among sampled ones, seeded rows, penalties, a logit
+    bias and ``min_tokens`` applied before it, over a vocabulary of several draw blocks."""
+    from tests.engine.test_penalties import History
+
+    vocab, rows = 3 * DRAW_BLOCK + 77, 10
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8), SamplingParams(top_k=40),
+              SamplingParams(top_p=0.9, temperature=1.1), SamplingParams(top_k=20, top_p=0.8, min_p=0.05),
+              SamplingParams(temperature=0.7, seed=3, logprobs=2), SamplingParams(repetition_penalty=1.3, top_p=0.95),
+              SamplingParams(min_p=0.1, logit_bias={5: 8.0}), SamplingParams(min_tokens=4, top_k=5),
+              SamplingParams(temperature=3.0, presence_penalty=0.5, logprobs=0)]
+    g = seeded(11)
+    histories = [History(torch.randint(0, vocab, (30,), generator=g).tolist(), 20, frozenset({2})) for _ in params]
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return cpu_kernels.sample_tokens(*args)
+
+    for step in range(3):
+        logits = torch.randn(rows, vocab, generator=g) * 2.5
+        outs = []
+        for op in (counted, None):
+            generators = [seeded(100 + i) if p.seed is not None else None for i, p in enumerate(params)]
+            s = Sampler(seeded(step), waits_are_free=True, greedy=cpu_kernels.greedy_tokens, sample=op)
+            outs.append(s(logits.clone(), params, generators, histories))
+        assert outs[0].token_ids == outs[1].token_ids, step
+        assert outs[0].logprobs == outs[1].logprobs
+        assert outs[0].token_ids[0] == int(logits[0].argmax())
+        assert outs[0].token_ids[8] != 2  # short of min_tokens: its stop token masked
+    assert calls == [(rows, vocab)] * 3  # every row of a step in one call

@@ -15,6 +15,7 @@ from kunlun_infer.cli import main  # noqa: E402
 from kunlun_infer.layers.moe import MOE_OPS  # noqa: E402
 from kunlun_infer.engine.sampler import SAMPLER_OPS  # noqa: E402
 from kunlun_infer.layers.quantization import INT8_OPS  # noqa: E402
+from kunlun_infer.plugins.torch_ops import LEFT_TO_THE_ENGINE  # noqa: E402
 
 
 def run(*argv):
@@ -44,14 +45,16 @@ def test_json_matrix_carries_coverage_per_ops_option():
     data = json.loads(run("plugins", "--json"))
     simchip = data["ops_coverage"]["simchip"]
     assert simchip["plugin"] == "simchip" and simchip["error"] is None
-    # plus the int8 ops of hook API 1.3, the mixture-of-experts ops of 1.4 and the sampler's of 1.8, which this
-    # plugin predates
+    # plus the int8 ops of hook API 1.3, the mixture-of-experts ops of 1.4 and the sampler's of 1.8 and 1.10,
+    # which this plugin predates
     assert simchip["fallbacks"] == sorted(["paged_attention", "rotary_embedding", *INT8_OPS, *MOE_OPS,
                                            *SAMPLER_OPS])
     assert simchip["attention"] == "simchip-kunlun-layout"  # its own backend: paged_attention is not needed
-    for builtin in ("torch", "cpu"):  # the built-in op tables are complete and answer without a device
+    # the built-in op tables answer without a device; cpu's is complete, torch's leaves sample_tokens to the
+    # engine's sampler
+    for builtin, left in (("torch", list(LEFT_TO_THE_ENGINE)), ("cpu", [])):
         assert data["ops_coverage"][builtin]["error"] is None
-        assert data["ops_coverage"][builtin]["fallbacks"] == []
+        assert data["ops_coverage"][builtin]["fallbacks"] == left
         assert data["ops_coverage"][builtin]["attention"] == "reference"
     row = next(p for p in data["plugins"] if p["name"] == "simchip")
     assert row["distribution"] == "kunlun-infer-simchip" and row["options"]["device"] == ["simchip"]

@@ -31,7 +31,7 @@ def test_a_1_1_ops_plugin_decodes_greedily_on_the_reference(llama_dir, prompts, 
             assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == references
     said = [r for r in caplog.records if "greedy_tokens" in r.getMessage()]
     assert said and all(r.levelno == logging.INFO for r in said)
-    assert "has no greedy_tokens: the plain-torch reference serves" in said[0].getMessage()
+    assert "has no greedy_tokens, sample_tokens: the plain-torch reference serves" in said[0].getMessage()
 
 
 def test_the_cpu_ops_decode_greedily_through_their_own_pass(llama_dir, prompts, references, monkeypatch):

@@ -182,3 +182,26 @@ def test_check_op_requires_indices_to_match_exactly_at_every_dtype():
                 check_op(DictOpsProvider({"greedy_tokens": broken}), "greedy_tokens", dtype, torch.device("cpu"))
     check_op(DictOpsProvider({"greedy_tokens": reference.greedy_tokens}), "greedy_tokens", torch.bfloat16,
              torch.device("cpu"))
+
+
+def test_check_op_catches_a_draw_that_departs_from_the_reference():
+    """``sample_tokens``' samples put each uniform mid-way through a token's share, so a kernel that draws from
+    another distribution or reads its uniforms otherwise picks another token: one that ignores top-p, one that
+    ignores the temperature, and one that swaps a row's two uniforms are each refused, and the reference passes."""
+    def ignores_top_p(logits, temperature, top_k, top_p, min_p, uniforms):
+        return reference.sample_tokens(logits, temperature, top_k, torch.ones_like(top_p), min_p, uniforms)
+
+    def ignores_temperature(logits, temperature, top_k, top_p, min_p, uniforms):
+        return reference.sample_tokens(logits, (temperature > 0).float(), top_k, top_p, min_p, uniforms)
+
+    def swaps_uniforms(logits, temperature, top_k, top_p, min_p, uniforms):
+        return reference.sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms.flip(-1))
+
+    for broken in (ignores_top_p, ignores_temperature, swaps_uniforms):
+        with pytest.raises(ConformanceError, match=r"op 'sample_tokens' \(torch.float32.*exact match required"):
+            for seed in range(2):  # (a swap of uniforms shows only where a row spans blocks: the first sample's)
+                check_op(DictOpsProvider({"sample_tokens": broken}), "sample_tokens", torch.float32,
+                         torch.device("cpu"), seed=seed)
+    for seed in range(2):
+        check_op(DictOpsProvider({"sample_tokens": reference.sample_tokens}), "sample_tokens", torch.float32,
+                 torch.device("cpu"), seed=seed)

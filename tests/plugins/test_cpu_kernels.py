@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import subprocess
 
 import pytest
@@ -851,6 +852,83 @@ def test_native_greedy_tokens_take_what_they_can_and_leave_the_rest_to_the_refer
     logits = torch.randn(6, 300, generator=g)
     for x in (logits, logits.bfloat16(), logits[2], logits.t().contiguous().t()):
         assert torch.equal(cpu_kernels.greedy_tokens(x), x.argmax(dim=-1))
+
+
+def _sample_case(vocab: int, seed: int):
+    """Rows of every kind a step draws (logits, then the op's per-row arguments): wide and peaked logits, each
+    filter alone and together, top-k past the vocabulary, tiny and huge temperatures, a flat row whose top-p
+    nucleus ends among ties, masked and infinite logits, greedy rows among them."""
+    g = torch.Generator().manual_seed(seed)
+    settings = [  # temperature, top_k, top_p, min_p
+        (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (0.8, 50, 1.0, 0.0), (1.0, 1, 1.0, 0.0), (1.0, 0, 0.9, 0.0),
+        (0.7, 20, 0.8, 0.0), (1.0, 100, 0.95, 0.05), (1.0, 0, 1.0, 0.1), (1.2, vocab, 0.5, 0.0),
+        (1e-4, 0, 0.9, 0.0), (1e30, 7, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (0.9, 0, 0.3, 0.0), (1.0, 3, 0.99, 0.0),
+    ]
+    rows = []
+    for i in range(48):
+        t, k, p, m = settings[i % len(settings)]
+        kind = (i // len(settings)) % 3
+        row = torch.randn(vocab, generator=g) * (3.0 if kind == 0 else 1.0)
+        if kind == 1:  # peaked: a few likely tokens over a heavy tail
+            row[torch.randint(vocab, (5,), generator=g)] += 12.0
+        if kind == 2:  # Zipf-like
+            row = -1.2 * torch.arange(1, vocab + 1).float().log()[torch.randperm(vocab, generator=g)]
+        rows.append((row, t, k, p, m))
+    logits = torch.stack([r[0] for r in rows])
+    logits[12] = 0.5  # flat: top-p 0.3 keeps the first 30% of the ties in column order
+    logits[5, ::3] = float("-inf")  # a grammar's mask
+    logits[6, [1, vocab // 2]] = float("inf")  # a huge penalty's result: both weigh what the top one does
+    logits[7] = float("-inf")  # nothing drawable: token 0
+    temperature = torch.tensor([r[1] for r in rows])
+    top_k = torch.tensor([r[2] for r in rows])
+    top_p = torch.tensor([r[3] for r in rows])
+    min_p = torch.tensor([r[4] for r in rows])
+    return logits, temperature, top_k, top_p, min_p, torch.rand(len(rows), 2, generator=g)
+
+
+@pytest.mark.parametrize("vocab", [5, 40, 1024, 1030, 33000])
+def test_native_sample_tokens_draw_what_the_reference_draws(native_kernel_set, vocab):
+    """Every row's token is the reference's: the same nucleus (top-k ties kept, top-p's boundary among ties, min-p)
+    and the same block and token for the same uniforms, at widths of one block, one block and a short one, and many;
+    rows read at a stride."""
+    logits, *rest = _sample_case(vocab, vocab)
+    wide = torch.full((logits.shape[0], vocab + 3), 1e9)  # past each row's end: read, a token there would win
+    wide[:, :vocab] = logits
+    want = reference.sample_tokens(logits, *rest)
+    mine = cpu_kernels.sample_tokens(wide[:, :vocab], *rest)
+    assert mine.dtype == torch.int64 and torch.equal(mine, want)
+    assert int(mine[7]) == 0 and int(mine[11]) == int(logits[11].argmax())
+    if vocab >= 40:
+        assert int(mine[12]) < math.ceil(0.3 * vocab)  # the flat row: among the first of its ties
+
+
+def test_native_sample_tokens_follow_the_distribution(native_kernel_set):
+    """Over many uniforms a row's tokens come as often as its kept probabilities say (top-k 3, then top-p 0.8 of
+    0.5, 0.3, 0.15: the first two tokens, 5:3), the block chosen by the first uniform."""
+    vocab, n = 3000, 4000
+    probs = torch.full((vocab,), 0.05 / (vocab - 3))
+    probs[[10, 2000, 2999]] = torch.tensor([0.5, 0.3, 0.15])
+    logits = probs.log().expand(n, vocab).contiguous()
+    u = torch.rand(n, 2, generator=torch.Generator().manual_seed(3))
+    tokens = cpu_kernels.sample_tokens(logits, torch.ones(n), torch.full((n,), 3), torch.full((n,), 0.8),
+                                       torch.zeros(n), u)
+    counts = torch.bincount(tokens, minlength=vocab)
+    assert set(tokens.unique().tolist()) == {10, 2000}
+    assert abs(int(counts[10]) / n - 0.625) < 0.03
+    assert torch.equal((tokens == 2000), u[:, 0] >= 0.625)  # one token a block here: the first uniform decides
+
+
+def test_native_sample_tokens_take_what_they_can_and_leave_the_rest_to_the_reference(native_kernel_set):
+    """float32 rows and per-row arguments as the engine passes them go through the native pass; a transposed
+    view or bf16 logits, or a float64 temperature, is the reference's, and every one answers as it does."""
+    logits, *rest = _sample_case(200, 1)
+    want = reference.sample_tokens(logits, *rest)
+    assert torch.equal(cpu_kernels.sample_tokens(logits.t().contiguous().t(), *rest), want)
+    temperature, top_k, top_p, min_p, u = rest
+    assert torch.equal(cpu_kernels.sample_tokens(logits, temperature.double(), top_k, top_p, min_p, u),
+                       reference.sample_tokens(logits, temperature.double(), top_k, top_p, min_p, u))
+    half = logits.bfloat16()
+    assert torch.equal(cpu_kernels.sample_tokens(half, *rest), reference.sample_tokens(half, *rest))
 
 
 @pytest.mark.parametrize("seqs, hq, hk, d", [

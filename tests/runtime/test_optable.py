@@ -116,7 +116,8 @@ def test_unresolved_op_access_says_what_was_resolved(manager):
 
 
 class Before18OpsPlugin:
-    """An ops plugin written for hook API 1.7: every op of the table then, none of 1.8's ``greedy_tokens``."""
+    """An ops plugin written for hook API 1.7: every op of the table then, none of 1.8's ``greedy_tokens`` (nor 1.10's
+    ``sample_tokens``)."""
 
     @hookimpl
     def kunlun_infer_plugin_info(self):
@@ -124,7 +125,8 @@ class Before18OpsPlugin:
 
     @hookimpl
     def kunlun_infer_ops_factories(self):
-        kernels = {name: spec.reference for name, spec in OP_SPECS.items() if name != "greedy_tokens"}
+        kernels = {name: spec.reference for name, spec in OP_SPECS.items()
+                   if name not in ("greedy_tokens", "sample_tokens")}
         return {"before-1.8": lambda *, config, device: DictOpsProvider(kernels)}
 
 
@@ -143,3 +145,40 @@ def test_optional_ops_are_served_by_the_reference_without_a_warning_even_when_st
     assert [r.levelno for r in said] == [logging.INFO]
     with runtime(manager, "ops.strict=true") as rt:  # the built-in torch ops have it
         assert rt.optional_ops(["greedy_tokens"]).source("greedy_tokens") == "torch-ops"
+
+
+class Before110OpsPlugin:
+    """An ops plugin written for hook API 1.9: every op of the table then, none of 1.10's ``sample_tokens``."""
+
+    @hookimpl
+    def kunlun_infer_plugin_info(self):
+        return PluginInfo(name="before-1.10", version="0.1", capabilities=("ops",))
+
+    @hookimpl
+    def kunlun_infer_ops_factories(self):
+        kernels = {name: spec.reference for name, spec in OP_SPECS.items() if name != "sample_tokens"}
+        return {"before-1.10": lambda *, config, device: DictOpsProvider(kernels)}
+
+
+def test_a_1_9_ops_plugin_samples_through_the_samplers_own_draw_even_when_strict(manager, caplog):
+    """A 1.9 ops plugin has no ``sample_tokens``: it loads under ``ops.strict``, the engine's sampler takes its
+    ``greedy_tokens`` and draws sampled rows itself (the same tokens the op's reference draws from the same
+    uniforms), and says so at info level."""
+    from kunlun_infer.engine.params import SamplingParams
+    from kunlun_infer.engine.sampler import SAMPLER_OPS, Sampler
+
+    manager.register(Before110OpsPlugin())
+    caplog.set_level(logging.INFO, logger="kunlun_infer.runtime")
+    with runtime(manager, "ops=before-1.10", "ops.strict=true") as rt:
+        sampler = Sampler.for_runtime(rt, torch.Generator().manual_seed(0))
+        assert sampler.sample is None
+        table = rt.optional_ops(SAMPLER_OPS)
+        assert (table.source("greedy_tokens"), table.source("sample_tokens")) == ("before-1.10", "reference")
+        logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(1)) * 2
+        params = [SamplingParams(temperature=0), SamplingParams(top_k=30), SamplingParams(top_p=0.8),
+                  SamplingParams(min_p=0.1, temperature=0.5)]
+        tokens = sampler(logits, params, [None] * 4).token_ids
+        uniforms = torch.rand(4, 2, generator=torch.Generator().manual_seed(0))
+        assert tokens == reference.sample_tokens(*Sampler.sample_arguments(logits, params), uniforms).tolist()
+    said = [r for r in caplog.records if "sample_tokens" in r.getMessage() and "before-1.10" in r.getMessage()]
+    assert said and all(r.levelno == logging.INFO for r in said)

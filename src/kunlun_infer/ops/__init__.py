@@ -161,6 +161,44 @@ def _sample_greedy(dtype, device, g):
     return (logits.to(device),), {}
 
 
+def _sample_tokens(dtype, device, g):
+    """float32 logits whatever ``dtype``, 8 rows (3000 logits: a draw by blocks; odd seeds 37: by token): greedy;
+    temperature alone; top-k; top-k whose k-th token is tied; top-p; top-k, top-p and min-p at once; min-p alone; and
+    a row of nothing but -inf. Each sampled row's uniforms fall 1% inside one end of a token's share (one at least
+    a quarter as likely as its block's likeliest) in the reference's distribution, the end drawn at random: far
+    enough from it for any order of float sums to agree, near enough that a kernel whose distribution moves that
+    end by more than 1% of the token's share draws another."""
+    vocab = 37 if g.initial_seed() % 2 else 3000
+    logits = torch.randn(8, vocab, generator=g) * 2
+    logits[3, [4, 9, vocab - 3]] = 9.0  # k = 2: the top token and these three ties
+    logits[3, 1] = 10.0
+    logits[7] = float("-inf")
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.0, 1.3, 0.9, 1.0, 1.0])
+    top_k = torch.tensor([0, 0, 5, 2, 0, 50, 0, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.8, 0.9, 1.0, 0.5])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.1, 0.0])
+    weights = reference.keep_top_k_top_p(reference.sampling_weights(logits, temperature.clamp(min=1e-3)), top_k,
+                                         top_p)
+    weights = reference.apply_min_p(weights, min_p).double()
+    uniforms = torch.zeros(8, 2)
+    for row in range(8):
+        if float(weights[row].sum()) == 0:
+            continue
+        blocks = weights[row].split(reference.DRAW_BLOCK)  # the block first (where there are several), then in it
+        sums = torch.stack([b.sum() for b in blocks])
+        block = int(torch.multinomial(sums, 1, generator=g))
+        within = blocks[block]
+        heavy = (within >= within.max() / 4).nonzero().squeeze(1)  # a share wide enough for any rounding
+        token = int(heavy[torch.randint(len(heavy), (1,), generator=g)])
+        inside = torch.where(torch.rand(2, generator=g, dtype=torch.float64) < 0.5, 0.01, 0.99)
+        at_token = (within[:token].sum() + inside[1] * within[token]) / within.sum()
+        if len(blocks) == 1:
+            uniforms[row, 0] = at_token
+        else:
+            uniforms[row] = torch.stack([(sums[:block].sum() + inside[0] * sums[block]) / sums.sum(), at_token])
+    return tuple(t.to(device) for t in (logits, temperature, top_k, top_p, min_p, uniforms)), {}
+
+
 #: the cases of ``moe_route``'s conformance samples: Mixtral / Qwen3-MoE (renormalised or not), DeepSeek-V2,
 #: DeepSeek-V3
 _ROUTE_CASES = (
@@ -218,6 +256,7 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("fused_moe", reference.fused_moe, _sample_fused_moe),
         # added in hook API 1.8 (greedy decoding)
         OpSpec("greedy_tokens", reference.greedy_tokens, _sample_greedy, variants=2),
+        OpSpec("sample_tokens", reference.sample_tokens, _sample_tokens, variants=2),
     )
 }
 for _name, _spec in OP_SPECS.items():

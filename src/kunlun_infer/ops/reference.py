@@ -277,7 +277,68 @@ def fused_moe(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], topk_w
     return out.to(x.dtype)
 
 
-# ---------------------------------------------------------------------- sampling (hook API 1.8)
+# ---------------------------------------------------------------------- sampling (hook API 1.8, 1.10)
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the probabilities below ``min_p`` (``[N]``) times each row's largest one (in place)."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill_(probs < threshold, 0.0)
+
+
+def row_sums(weights: torch.Tensor) -> torch.Tensor:
+    """Each row's sum (``[n]``), added up by blocks of ``DRAW_BLOCK`` then across them, so that a row's sum is
+    the same bits in any batch (one reduction over a long row may split it between threads)."""
+    return _block_sums(weights).sum(dim=-1)
+
+
+#: the lowest exponent a weight is computed from (relative to its row's top token): below it, weight 0.
+#: torch's exp on a CPU takes 12-30x longer for arguments under ~-87.3 (results subnormal or 0) than above,
+#: and masked tokens (-inf), low temperatures and wide logit ranges put most of a vocabulary there; exp(-87)
+#: is still a normal float, and a token 1.6e-38 times as likely as the top one was never drawn anyway
+EXP_FLOOR = -87.0
+_FLOOR_WEIGHT = float(torch.tensor(EXP_FLOOR).exp())
+
+
+#: a draw over a wider row first picks a block of this many tokens by their sums, then a token in it: float32
+#: running sums over a block stay exact to ~1e-7 of its share, where one over a 150k vocabulary would not
+DRAW_BLOCK = 1024
+
+
+def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of non-negative ``weights`` (``[n, w]``), index ``i`` with probability ``weights[i]`` over
+    the row's sum, as ``u`` (``[n]``, uniform in [0, 1)) falls in its running sum; never an index of weight 0
+    (rounding that pushes ``u`` to the end takes the last positive one)."""
+    # the running sums never fall, so how many of them lie at or below a value is where it falls: the search
+    # counted by comparisons, which every device's torch has (torch.searchsorted was not verified on all)
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    index = (cdf <= u.unsqueeze(1) * total).sum(dim=-1)
+    last = (cdf < total).sum(dim=-1)  # the first index reaching the total: the last positive weight
+    return torch.minimum(index, last).clamp_(max=weights.shape[-1] - 1)
+
+
+def _block_sums(weights: torch.Tensor) -> torch.Tensor:
+    """``[n, ceil(vocab / DRAW_BLOCK)]``: each row's sums over consecutive blocks of ``DRAW_BLOCK`` tokens."""
+    n, vocab = weights.shape
+    full = vocab // DRAW_BLOCK  # whole blocks; the last, shorter one is summed on its own
+    sums = weights[:, :full * DRAW_BLOCK].reshape(n, full, DRAW_BLOCK).sum(dim=-1)
+    if full * DRAW_BLOCK < vocab:
+        sums = torch.cat([sums, weights[:, full * DRAW_BLOCK:].sum(dim=-1, keepdim=True)], dim=1)
+    return sums
+
+
+def draw_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``weights`` (``[n, vocab]``, non-negative, any scale), drawn with probability
+    proportional to its entry, by inverse transform from two uniforms per row (``[n, 2]``): the first picks a
+    block of ``DRAW_BLOCK`` tokens by their sums, the second a token within it. Nothing waits for the device."""
+    vocab = weights.shape[1]
+    if vocab <= DRAW_BLOCK:
+        return _pick(weights, uniforms[:, 0])
+    block = _pick(_block_sums(weights), uniforms[:, 0])
+    index = block.unsqueeze(1) * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=weights.device)
+    within = weights.gather(1, index.clamp(max=vocab - 1)) * (index < vocab)  # past the vocabulary: weight 0
+    return block * DRAW_BLOCK + _pick(within, uniforms[:, 1])
+
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax over the last dimension (int64, on the logits' device): the first index of its largest
@@ -289,3 +350,53 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     rows 6.8 -> 1.8).
     """
     return logits.max(dim=-1).indices
+
+
+def sampling_weights(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``[N, vocab]`` weights proportional to ``softmax(logits / temperature)`` (``temperature``: ``[N]``, > 0),
+    a new tensor in one pass: ``exp((logits - max) / temperature)``, so each row's heaviest weighs 1, and 0 where
+    the exponent is at or below ``EXP_FLOOR`` (a row of nothing but ``-inf``: all 0, never NaN)."""
+    finite = torch.finfo(logits.dtype).max
+    # a temperature past the dtype's range (1e300 is a valid request) would be inf, and inf / inf is NaN; a logit
+    # pushed to +inf by a huge penalty weighs what the largest finite one does
+    temperature = temperature.to(logits.dtype).clamp(max=finite)
+    top = logits.amax(dim=-1, keepdim=True).clamp_(min=-finite, max=finite)
+    weights = torch.sub(logits, top).div_(temperature.unsqueeze(1)).clamp_(min=EXP_FLOOR, max=0.0).exp_()
+    return torch.threshold_(weights, _FLOOR_WEIGHT, 0.0)  # what lay at or below the floor weighs nothing
+
+
+def keep_top_k_top_p(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``weights`` (``[N, vocab]``, non-negative) zeroed outside each row's top-k / top-p nucleus, by one stable
+    sort, heaviest first (a new tensor): top-k (``[N]`` int, 0 = off) keeps the weights from the k-th heaviest up,
+    its ties too; top-p (``[N]`` float, 1 = off) then the heaviest while the mass before them, in that order (ties
+    in column order), is short of ``top_p`` of what top-k kept. The heaviest token always stays."""
+    vocab = weights.shape[-1]
+    ordered, order = weights.sort(dim=-1, descending=True, stable=True)
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    ordered = ordered * (ordered >= ordered.gather(1, k.sub(1).unsqueeze(1)))
+    before = ordered.cumsum(dim=-1) - ordered
+    keep = (before < top_p.to(weights.dtype).unsqueeze(1) * ordered.sum(dim=-1, keepdim=True)) \
+        | (top_p >= 1).unsqueeze(1)
+    keep[:, 0] = True
+    return torch.empty_like(weights).scatter_(1, order, ordered * keep)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's next token (int64 ``[N]``, on the logits' device): the argmax (:func:`greedy_tokens`) of a row
+    whose ``temperature`` is 0; else drawn from ``softmax(logits / temperature)`` (float32 ``[N, vocab]``
+    logits; :func:`sampling_weights`) kept to its top-k / top-p nucleus (:func:`keep_top_k_top_p`; ``top_k``
+    int64 ``[N]``, 0 = off; ``top_p`` ``[N]``, 1 = off) and to the tokens at least ``min_p`` (``[N]``, 0 = off)
+    times its likeliest, by inverse transform with the row's two ``uniforms`` (``[N, 2]``, in [0, 1);
+    :func:`draw_from`): the first picks a block of ``DRAW_BLOCK`` tokens by the sums of their weights, the second
+    a token in it (a row of at most ``DRAW_BLOCK`` tokens: the first picks the token). A row with nothing to
+    draw (every logit ``-inf``) gives token 0.
+
+    A kernel may sum in another order than this one's float32 sums: a
+    uniform falling within rounding of where one token's share ends and the
+    next begins may then pick the neighbour.
+    """
+    greedy = temperature <= 0
+    weights = sampling_weights(logits, torch.where(greedy, torch.ones_like(temperature), temperature))
+    weights = apply_min_p(keep_top_k_top_p(weights, top_k, top_p), min_p.to(weights.dtype))
+    return torch.where(greedy, greedy_tokens(logits), draw_from(weights, uniforms))

@@ -32,6 +32,13 @@ Where the time of a CPU step goes, and what each kernel does about it:
   vector compares over float32 logits, rows among the threads
   (``native/greedy_tokens.c``), where torch's reduction read them at
   ~10 GB/s: a few percent of a decode step of many rows.
+- ``sample_tokens`` (sampled decoding) — each row on one thread, in a few
+  passes over its logits and weights: the largest logit, the weights, where
+  top-k or top-p asks a histogram of their count and mass by their float
+  bits and the threshold found among the tokens of the one bin it crosses,
+  then the kept weights' sums by blocks and the draw
+  (``native/sample_tokens.c``); the torch passes it replaces took 2.7-5.7x
+  as long over 8-128 Zipf-like rows, 12x with top-p over wide normal ones.
 
 Every kernel is checked against :mod:`kunlun_infer.ops.reference` by the
 conformance suite (``kunlun_infer.testing``).
@@ -253,13 +260,36 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token, drawn in a few passes over its float32 logits (``native/sample_tokens.c``); same
+    contract as the reference."""
+    lib = cpu_native.library()
+    rows = logits.shape[0] if logits.dim() == 2 else -1
+    row_args = (temperature, top_k, top_p, min_p)
+    if (lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or rows < 0
+            or logits.stride(1) != 1 or not 0 < logits.shape[1] < 2**31 - 64
+            or any(a.device.type != "cpu" or not a.is_contiguous() or a.shape != (rows,) for a in row_args)
+            or (temperature.dtype, top_k.dtype, top_p.dtype, min_p.dtype)
+            != (torch.float32, torch.int64, torch.float32, torch.float32)
+            or uniforms.dtype != torch.float32 or uniforms.device.type != "cpu" or not uniforms.is_contiguous()
+            or uniforms.shape != (rows, 2)):
+        return reference.sample_tokens(logits, temperature, top_k, top_p, min_p, uniforms)
+    out = torch.empty(rows, dtype=torch.int64)
+    if lib.kunlun_sample_tokens(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], temperature.data_ptr(),
+                                top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), uniforms.data_ptr(),
+                                out.data_ptr()):
+        raise MemoryError(f"sample_tokens: no memory for the scratch of {rows} rows of {logits.shape[1]} weights")
+    return out
+
+
 def kernels() -> dict[str, Any]:
     """The ``cpu`` op table: the tuned kernels above, the references for the rest."""
     table = {name: spec.reference for name, spec in OP_SPECS.items()}
     table.update(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul,
                  rotary_embedding=rotary_embedding, store_kv=store_kv, paged_attention=paged_attention,
                  pack_linear_weight=pack_linear_weight, linear=linear, apply_token_bitmask=apply_token_bitmask,
-                 greedy_tokens=greedy_tokens,
+                 greedy_tokens=greedy_tokens, sample_tokens=sample_tokens,
                  pack_int8_linear_weight=pack_int8_linear_weight, int8_linear=int8_linear,
                  pack_moe_weights=pack_moe_weights, fused_moe=fused_moe)
     return table

@@ -98,9 +98,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+#: ops of the table this plugin leaves to the engine: ``sample_tokens``' reference suits every device, where the
+#: engine's sampler, without the op, draws in the way that suits the one it runs on (on a CPU: no sort of the
+#: vocabulary)
+LEFT_TO_THE_ENGINE = ("sample_tokens",)
+
+
 def kernels() -> dict[str, Any]:
-    """Every op of the table: the references, with the vectorised ``paged_attention``."""
-    table = {name: spec.reference for name, spec in OP_SPECS.items()}
+    """Every op of the table but those :data:`LEFT_TO_THE_ENGINE`: the references, with the vectorised
+    ``paged_attention``."""
+    table = {name: spec.reference for name, spec in OP_SPECS.items() if name not in LEFT_TO_THE_ENGINE}
     table["paged_attention"] = paged_attention
     return table
 

@@ -47,8 +47,8 @@ static int64_t first_nan(const float *row, int64_t n) {
     return -1;
 }
 
-/* the argmax of row[0, n) (n >= 1) */
-static int64_t row_argmax(const float *row, int64_t n) {
+/* the argmax of row[0, n) (n >= 1); sample_tokens.c takes it for its greedy rows */
+int64_t kunlun_row_argmax(const float *row, int64_t n) {
     const vidx iota = vidx_iota();
     /* every lane starts at -inf with an index among the first lanes, so a row of -inf answers 0 as torch does */
     vf best[2] = {vf_set1(-INFINITY), vf_set1(-INFINITY)};
@@ -89,5 +89,5 @@ static int64_t row_argmax(const float *row, int64_t n) {
 /* out[r] = argmax of logits[r * stride, r * stride + vocab), r < rows; vocab in [1, 2^31 - 2 * VLEN] */
 void kunlun_greedy_tokens(const float *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *out) {
 #pragma omp parallel for schedule(static) if (rows >= 2)
-    for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(logits + r * stride, vocab);
+    for (int64_t r = 0; r < rows; r++) out[r] = kunlun_row_argmax(logits + r * stride, vocab);
 }
