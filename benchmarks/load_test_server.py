@@ -12,6 +12,7 @@ from ``/metrics``::
     python benchmarks/load_test_server.py --clients 32 --duration 60 --max-tokens 64
     python benchmarks/load_test_server.py --url http://127.0.0.1:8000   # an already running server
     python benchmarks/load_test_server.py --model /models/qwen2 scheduler.max_num_seqs=64
+    python benchmarks/load_test_server.py --clients 128 --max-tokens 64 --top-p 0.95 --top-k 50
 
 Trailing arguments are Hydra overrides for the server it starts. Exits 1
 when any request failed.
@@ -35,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (a sibling file: what every benchmark records of the machine)
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches under "
          "bright northern lights near old harbours full of ships").split()
@@ -80,9 +84,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+                      sampling: dict[str, Any]) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, **sampling, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = None
     tokens = 0
@@ -105,7 +110,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
 
 
 async def run_load(url: str, clients: int, duration: float, max_tokens: int, prompt_words: int,
-                   seed: int) -> dict[str, Any]:
+                   seed: int, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     errors: list[str] = []
     rng = random.Random(seed)
@@ -115,7 +120,7 @@ async def run_load(url: str, clients: int, duration: float, max_tokens: int, pro
         while time.perf_counter() < deadline:
             prompt = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
             try:
-                results.append(await one_request(client, url, prompt, max_tokens))
+                results.append(await one_request(client, url, prompt, max_tokens, sampling or {}))
             except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
                 errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -129,6 +134,7 @@ async def run_load(url: str, clients: int, duration: float, max_tokens: int, pro
     tokens = sum(r["tokens"] for r in results)
     return {
         "clients": clients, "duration_s": duration, "wall_s": round(wall, 3), "max_tokens": max_tokens,
+        "sampling": {"temperature": 0.8, **(sampling or {})},
         "requests_ok": len(results), "requests_failed": len(errors), "errors": sorted(set(errors))[:5],
         "requests_per_s": round(len(results) / wall, 3), "output_tokens_per_s": round(tokens / wall, 1),
         "latency_s": {f"p{q}": round(percentile(latencies, q), 4) for q in (50, 90, 99)},
@@ -157,6 +163,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-words", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=None, help="each request's top_p (default: none sent)")
+    parser.add_argument("--top-k", type=int, default=None, help="each request's top_k (default: none sent)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args, overrides = parser.parse_known_args()
 
@@ -171,9 +179,11 @@ def main() -> int:
                 model = build_random_model(workdir / "model")
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
             proc, url = start_server(model, [f"scheduler.max_num_seqs={max(args.clients, 16)}", *overrides])
+        sampling = {key: value for key, value in (("top_p", args.top_p), ("top_k", args.top_k)) if value is not None}
         result = asyncio.run(run_load(url, args.clients, args.duration, args.max_tokens, args.prompt_words,
-                                      args.seed))
+                                      args.seed, sampling))
         result.update(server_batching(url))
+        result["machine"] = machine.facts()  # this host's: where the server was started here, the one measured
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)
@@ -181,8 +191,9 @@ def main() -> int:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
 
+    print(machine.describe(result["machine"]))
     print(f"{result['clients']} clients for {result['duration_s']:.0f} s ({result['wall_s']:.1f} s wall), "
-          f"max_tokens={result['max_tokens']}")
+          f"max_tokens={result['max_tokens']}, {result['sampling']}")
     print(f"  requests: {result['requests_ok']} ok, {result['requests_failed']} failed")
     print(f"  throughput: {result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.1f} output tokens/s")
     print("  latency:  " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in result["latency_s"].items()))

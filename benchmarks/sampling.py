@@ -11,7 +11,8 @@ transformers' ``generate(do_sample=True)`` does per step on the same logits
 sampler as it was at a git revision. Rows are Zipf-like (a likelihood
 falling as rank^-s, s drawn per row in [1.0, 1.6], in shuffled order), so
 top-p's nucleus ranges from tens to thousands of tokens, as a language
-model's does. Rows with penalties start from ``--history`` tokens (a prompt
+model's does (``--logits normal``: wide normal rows, whose nucleus holds
+thousands). Rows with penalties start from ``--history`` tokens (a prompt
 and an output so far) and gain their drawn token each step, as a decoding
 sequence does. Medians in milliseconds, with the CPU model and ISA.
 
@@ -23,6 +24,7 @@ nearly flat: top-p's nucleus there holds most of the vocabulary)::
     python benchmarks/sampling.py
     python benchmarks/sampling.py --batches 1,8,32,128 --before HEAD~1
     python benchmarks/sampling.py --batches 8,32 --history 3000,1000 --before HEAD~1
+    python benchmarks/sampling.py --batches 32,128 --logits normal --before HEAD~1
     python benchmarks/sampling.py --served
 """
 
@@ -49,7 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: name -> SamplingParams keywords: what chat clients commonly send
 CASES = {
     # greedy decoding: transformers' generate() takes argmax; the engine the op table's greedy_tokens, as its cpu
-    # ops answer it (hook API 1.8)
+    # ops answer it (hook API 1.8); sampled rows its sample_tokens (1.10)
     "greedy": {"temperature": 0.0},
     "temperature 0.7": {"temperature": 0.7},
     "temperature 0.2": {"temperature": 0.2},  # code and agents: most of a row far below its top token
@@ -80,6 +82,15 @@ def zipf_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     slopes = 1.0 + 0.6 * torch.rand(rows, generator=g)
     out = torch.stack([(-s * log_rank)[torch.randperm(vocab, generator=g)] for s in slopes.tolist()])
     return out + 0.05 * torch.randn(rows, vocab, generator=g)
+
+
+def normal_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Wide rows (normal, sigma 2.5): no token far ahead, so top-p's nucleus holds thousands of tokens."""
+    return 2.5 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+#: ``--logits``: how a step's rows are made
+LOGITS = {"zipf": zipf_logits, "normal": normal_logits}
 
 
 def transformers_step(kwargs: dict[str, Any], history: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -122,14 +133,17 @@ def engine_step(sampler_module: Any, kwargs: dict[str, Any], rows: int,
     from kunlun_infer.engine.params import SamplingParams
     from kunlun_infer.plugins import cpu_kernels
 
-    try:  # the cpu ops' greedy_tokens, as the engine resolves it
-        sampler = sampler_module.Sampler(torch.Generator().manual_seed(0), waits_are_free=True,
-                                         greedy=cpu_kernels.greedy_tokens)
-    except TypeError:  # a revision from before greedy_tokens (1.8), or the nucleus search: it always sorts
+    # the cpu ops' greedy_tokens and sample_tokens, as the engine resolves them; a revision from before
+    # sample_tokens (1.10), greedy_tokens (1.8) or the nucleus search (it always sorts) takes what it knows
+    for ops in ({"greedy": cpu_kernels.greedy_tokens, "sample": cpu_kernels.sample_tokens},
+                {"greedy": cpu_kernels.greedy_tokens}, {}):
         try:
-            sampler = sampler_module.Sampler(torch.Generator().manual_seed(0), waits_are_free=True)
+            sampler = sampler_module.Sampler(torch.Generator().manual_seed(0), waits_are_free=True, **ops)
+            break
         except TypeError:
-            sampler = sampler_module.Sampler(torch.Generator().manual_seed(0))
+            continue
+    else:
+        sampler = sampler_module.Sampler(torch.Generator().manual_seed(0))
     params = [SamplingParams(**kwargs)] * rows
     generators = [torch.Generator().manual_seed(i) if "seed" in kwargs else None for i in range(rows)]
     if not params[0].has_penalties:
@@ -211,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served", action="store_true", help="also serve perf_cpu.py's 8 requests, sampled")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "kunlun_infer_perf_cpu",
                         help="where --served's model is built (or found)")
+    parser.add_argument("--logits", choices=sorted(LOGITS), default="zipf",
+                        help="Zipf-like rows (a language model's), or wide normal ones (sigma 2.5)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     history = tuple(int(n) for n in args.history.split(","))
@@ -218,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
 
     facts = machine.facts()
     print(machine.describe(facts))
-    results: dict[str, Any] = {"machine": facts, "vocab": args.vocab, "history": history, "milliseconds": {}}
+    results: dict[str, Any] = {"machine": facts, "vocab": args.vocab, "logits": args.logits, "history": history,
+                               "milliseconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         before = sampler_at(args.before, Path(tmp)) if args.before else None
         names = ["kunlun_infer", "transformers"] + ([f"at {args.before}"] if before else [])
         print(f"{'rows':>4}  {'parameters':<20}" + "".join(f"{n:>16}" for n in names) + f"{'ratio':>8}")
         for rows in (int(b) for b in args.batches.split(",")):
-            logits = zipf_logits(rows, args.vocab, seed=rows)
+            logits = LOGITS[args.logits](rows, args.vocab, seed=rows)
             for case, kwargs in CASES.items():
                 calls = {"kunlun_infer": engine_step(current, kwargs, rows, history),
                          "transformers": transformers_step(kwargs, history)}
