@@ -182,8 +182,9 @@ def in_turns(calls: dict[str, Callable[[torch.Tensor], torch.Tensor]], logits: t
     order = list(calls.items())
     for turn in range(turns):  # every other turn in reverse: no call always runs after the same one
         for name, call in (order if turn % 2 == 0 else order[::-1]):
+            fresh = logits.clone()  # a step's own logits, written already (the sampler may reshape them in place)
             start = time.perf_counter()
-            call(logits)
+            call(fresh)
             times[name].append(time.perf_counter() - start)
     return {name: 1e3 * statistics.median(values) for name, values in times.items()}
 

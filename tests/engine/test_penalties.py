@@ -286,3 +286,27 @@ def test_logprobs_mode_reports_the_raw_or_the_penalized_distribution():
     assert out.logprobs[1] == {t: pytest.approx(float(processed_row1[t]), abs=1e-6) for t in out.logprobs[1]}
     assert set(out.logprobs[1]) >= set(processed_row1.topk(2).indices.tolist())
     assert out.token_ids[1] == int(penalized.argmax())  # the same distribution the token was drawn from
+
+
+def test_a_steps_logits_are_penalized_in_place_unless_a_row_wants_its_raw_logprobs():
+    """Where no row's logprobs are of the raw logits the penalties reshape the step's logits themselves (a copy of
+    a 128-row step over a 151936-token vocabulary is 78 MB of fresh pages each step), and the processed logprobs
+    and tokens are those of the penalized rows; one row asking for raw logprobs keeps every row as it came."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = random_logits()
+    penalty = RepetitionPenaltyLogitsProcessor(1.8)
+    penalized = torch.stack([penalty(torch.tensor([h.token_ids]), logits[i:i + 1].clone())[0]
+                             for i, h in enumerate(HISTORIES)])
+    params = [greedy(logprobs=2, repetition_penalty=1.8, logprobs_mode="processed"), greedy(repetition_penalty=1.8),
+              greedy(repetition_penalty=1.8)]
+    given = logits.clone()
+    out = Sampler(torch.Generator())(given, params, [None] * 3, HISTORIES)
+    assert torch.allclose(given, penalized)  # in place
+    row0 = torch.log_softmax(penalized[0], -1)
+    assert out.logprobs[0] == {t: pytest.approx(float(row0[t]), abs=1e-6) for t in out.logprobs[0]}
+    assert out.token_ids == penalized.argmax(-1).tolist()
+    given = logits.clone()
+    raw = [greedy(logprobs=1, repetition_penalty=1.8), *params[1:]]
+    out = Sampler(torch.Generator())(given, raw, [None] * 3, HISTORIES)
+    assert torch.equal(given, logits) and out.token_ids == penalized.argmax(-1).tolist()

@@ -279,6 +279,11 @@ def draw_row(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(draw_from(probs.unsqueeze(0), torch.rand(1, 2, generator=generator, device=probs.device))[0])
 
 
+def _raw_logprobs(params: Sequence[SamplingParams]) -> bool:
+    """Whether a row's logprobs are to be of the raw logits (which then may not be reshaped in place)."""
+    return any(p.logprobs is not None and p.logprobs_mode == "raw" for p in params)
+
+
 class Sampler:
     """Turns a ``[N, vocab]`` float32 logits tensor into tokens for N requests."""
 
@@ -322,11 +327,12 @@ class Sampler:
     def draw(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
              histories: Sequence[TokenHistory] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The drawn tokens, left on the logits' device (nothing waits for them), and the processed logits
-        they were drawn from (``logits`` itself when nothing reshaped them)."""
+        they were drawn from: ``logits`` itself when nothing reshaped them, and where no row's logprobs are of the
+        raw logits, reshaped in place (penalties, biases, masks)."""
         device = logits.device
         processed = self._process(logits, params, histories)
         if histories is not None and any(p.structured is not None for p in params):
-            if processed is logits and any(p.logprobs is not None and p.logprobs_mode == "raw" for p in params):
+            if processed is logits and _raw_logprobs(params):
                 processed = logits.clone()  # the raw logits are still needed for logprobs
             if self.structured is None:
                 raise ValueError("the sampler needs the engine's structured outputs to mask constrained rows")
@@ -344,7 +350,8 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],
                  histories: Sequence[TokenHistory] | None) -> torch.Tensor:
-        """Penalties, logit biases and the ``min_tokens`` mask; ``logits`` itself when no row asks for them."""
+        """Penalties, logit biases and the ``min_tokens`` mask: in ``logits`` itself unless a row's logprobs are of
+        the raw logits (then in a copy); ``logits`` untouched when no row asks for them."""
         penalized = any(p.has_penalties for p in params)
         biased = any(p.logit_bias for p in params)
         needs_history = penalized or any(p.min_tokens for p in params)
@@ -354,10 +361,13 @@ class Sampler:
             raise ValueError("the sampler needs each row's token history for penalties and min_tokens")
         short = [i for i, (p, h) in enumerate(zip(params, histories or ()))
                  if len(h.token_ids) - h.num_prompt_tokens < p.min_tokens]
+        # the raw logits stay as they were where a row's logprobs are to be of them; else nothing reads them again
+        # (the step's prompt logprobs and draft checks read theirs first) and they are reshaped in place
+        keep_raw = _raw_logprobs(params)
         if penalized:
-            logits = apply_penalties(logits, histories, params, self.tallies)  # a new tensor
-        elif biased or short:
-            logits = logits.clone()  # the raw logits stay as they were, for logprobs
+            logits = apply_penalties(logits, histories, params, self.tallies, in_place=not keep_raw)
+        elif (biased or short) and keep_raw:
+            logits = logits.clone()
         if biased:
             add_logit_bias(logits, params)
         if short:
