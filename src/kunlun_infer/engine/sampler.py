@@ -107,7 +107,8 @@ CANDIDATE_WIDTHS = (256, 1024)
 
 def keep_nucleus(weights: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> None:
     """Zero, in place, each row's ``weights`` (``[n, vocab]``, non-negative, ordered as its logits) outside its
-    top-k / top-p nucleus: what :func:`~kunlun_infer.ops.reference.keep_top_k_top_p` keeps, found without sorting the vocabulary.
+    top-k / top-p nucleus: what :func:`~kunlun_infer.ops.reference.keep_top_k_top_p` keeps, found without
+    sorting the vocabulary.
 
     ``top_k[i]`` (0 = off) and ``top_p[i]`` (1 = off) per row. Each row's
     nucleus is looked for among its ``CANDIDATE_WIDTHS`` heaviest tokens
