@@ -394,7 +394,9 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
     A kernel may sum in another order than this one's float32 sums: a
     uniform falling within rounding of where one token's share ends and the
-    next begins may then pick the neighbour.
+    next begins may then pick the neighbour. A row holding a NaN logit has
+    no defined draw (here its weights turn NaN; the ``cpu`` kernel weighs
+    such a token 0).
     """
     greedy = temperature <= 0
     weights = sampling_weights(logits, torch.where(greedy, torch.ones_like(temperature), temperature))
