@@ -902,6 +902,17 @@ def test_native_sample_tokens_draw_what_the_reference_draws(native_kernel_set, v
         assert int(mine[12]) < math.ceil(0.3 * vocab)  # the flat row: among the first of its ties
 
 
+def test_native_sample_tokens_take_the_floor_and_block_width_the_reference_holds(native_kernel_set, monkeypatch):
+    """The exponent floor and the draw's block width live in ``ops/reference.py`` alone: set otherwise there, the
+    native pass draws what the reference then draws (blocks of 100 tokens; a floor of -2 that zeroes most tokens)."""
+    logits, *rest = _sample_case(3000, 7)
+    monkeypatch.setattr(reference, "DRAW_BLOCK", 100)
+    monkeypatch.setattr(reference, "EXP_FLOOR", -2.0)
+    monkeypatch.setattr(reference, "_FLOOR_WEIGHT", float(torch.tensor(-2.0).exp()))
+    want = reference.sample_tokens(logits, *rest)
+    assert torch.equal(cpu_kernels.sample_tokens(logits, *rest), want)
+
+
 def test_native_sample_tokens_follow_the_distribution(native_kernel_set):
     """Over many uniforms a row's tokens come as often as its kept probabilities say (top-k 3, then top-p 0.8 of
     0.5, 0.3, 0.15: the first two tokens, 5:3), the block chosen by the first uniform."""

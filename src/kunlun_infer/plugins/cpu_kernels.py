@@ -278,7 +278,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     out = torch.empty(rows, dtype=torch.int64)
     if lib.kunlun_sample_tokens(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], temperature.data_ptr(),
                                 top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), uniforms.data_ptr(),
-                                out.data_ptr()):
+                                reference.EXP_FLOOR, reference.DRAW_BLOCK, out.data_ptr()):
         raise MemoryError(f"sample_tokens: no memory for the scratch of {rows} rows of {logits.shape[1]} weights")
     return out
 

@@ -125,7 +125,7 @@ SIGNATURES = {
                       ctypes.c_int),
     "kunlun_apply_token_bitmask": ([_P, _I64, _I64, _P, _I64, _P, _I64], None),
     "kunlun_greedy_tokens": ([_P, _I64, _I64, _I64, _P], None),
-    "kunlun_sample_tokens": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P], ctypes.c_int),
+    "kunlun_sample_tokens": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, ctypes.c_float, _I64, _P], ctypes.c_int),
     "kunlun_store_kv": ([_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64], ctypes.c_int),
     "kunlun_replay_layout": ([_I64], _I64),
     "kunlun_replay": ([_P, _I64], _I64),
