@@ -177,9 +177,7 @@ def _sample_tokens(dtype, device, g):
     top_k = torch.tensor([0, 0, 5, 2, 0, 50, 0, 0])
     top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.8, 0.9, 1.0, 0.5])
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.1, 0.0])
-    weights = reference.keep_top_k_top_p(reference.sampling_weights(logits, temperature.clamp(min=1e-3)), top_k,
-                                         top_p)
-    weights = reference.apply_min_p(weights, min_p).double()
+    weights = reference.kept_weights(logits, temperature, top_k, top_p, min_p).double()
     uniforms = torch.zeros(8, 2)
     for row in range(8):
         if float(weights[row].sum()) == 0:

@@ -398,7 +398,14 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     no defined draw (here its weights turn NaN; the ``cpu`` kernel weighs
     such a token 0).
     """
-    greedy = temperature <= 0
-    weights = sampling_weights(logits, torch.where(greedy, torch.ones_like(temperature), temperature))
-    weights = apply_min_p(keep_top_k_top_p(weights, top_k, top_p), min_p.to(weights.dtype))
-    return torch.where(greedy, greedy_tokens(logits), draw_from(weights, uniforms))
+    drawn = draw_from(kept_weights(logits, temperature, top_k, top_p, min_p), uniforms)
+    return torch.where(temperature <= 0, greedy_tokens(logits), drawn)
+
+
+def kept_weights(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """The weights :func:`sample_tokens` draws each row from (same arguments; a greedy row's at temperature 1):
+    :func:`sampling_weights`, kept to the top-k / top-p nucleus and to ``min_p`` times the likeliest."""
+    temperature = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+    weights = sampling_weights(logits, temperature)
+    return apply_min_p(keep_top_k_top_p(weights, top_k, top_p), min_p.to(weights.dtype))
